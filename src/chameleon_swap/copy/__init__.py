@@ -1,0 +1,57 @@
+"""Copy engines: move storage bytes device->host and back, asynchronously, and say when done.
+
+Both backends offer the same small interface, so the executor above them is identical on CPU and
+CUDA and ordering bugs show in the CPU tests:
+
+``record_ready()``
+    called when a tensor is saved; marks the point after which its bytes are final (a CUDA event
+    on the compute stream; nothing on CPU, where compute is synchronous).
+``offload(src, dst, ready) -> Ticket``
+    copy ``src`` (device uint8) into ``dst`` (host uint8) once ``ready`` has passed. The engine keeps
+    ``src`` alive until the copy has completed (deferred free), so the caller may drop it at once.
+``fetch(src, after) -> (device uint8, Ticket)``
+    copy host bytes into a new device tensor, ordered after ticket ``after`` (the copy-out).
+``wait(ticket) -> bool``
+    make compute wait for a fetch before its bytes are read; True if it had not completed yet.
+``wait_host(ticket)``
+    block the calling thread until a copy has completed (only when the budget forces it).
+``defer(ticket, fn=None, keep=None)``
+    once ``ticket`` has completed, drop ``keep`` (a device tensor that must outlive the copy) and
+    call ``fn``, from a later ``poll()`` on the caller's thread.
+``poll()``, ``synchronize()``, ``take_stall_seconds()``
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Protocol
+
+import torch
+
+
+class Ticket(Protocol):
+    def done(self) -> bool: ...
+
+
+class CopyEngine(Protocol):
+    device: torch.device
+
+    def record_ready(self) -> object: ...
+    def offload(self, src: torch.Tensor, dst: torch.Tensor, ready: object) -> Ticket: ...
+    def fetch(self, src: torch.Tensor, after: Optional[Ticket]) -> tuple[torch.Tensor, Ticket]: ...
+    def wait(self, ticket: Ticket) -> bool: ...
+    def wait_host(self, ticket: Ticket) -> float: ...
+    def defer(self, ticket: Ticket, fn: Optional[Callable[[], None]] = None,
+              keep: object = None) -> None: ...
+    def poll(self) -> None: ...
+    def synchronize(self) -> None: ...
+    def take_stall_seconds(self) -> float: ...
+    def close(self) -> None: ...
+
+
+def make_copy_engine(device: torch.device, **kwargs) -> CopyEngine:
+    if device.type == "cuda":
+        from .cuda import CudaCopyEngine
+        return CudaCopyEngine(device)
+    if device.type == "cpu":
+        from .cpu import CpuCopyEngine
+        return CpuCopyEngine(**kwargs)
+    raise ValueError(f"device must be a 'cpu' or 'cuda' device; got {device}")

@@ -1,0 +1,166 @@
+"""CPU copy engine: two worker threads stand in for the D2H and H2D copy streams.
+
+"Device" and "host" are both RAM here, so nothing is saved in bytes; what this backend buys is the
+same asynchrony, ordering and lifetime rules as CUDA, exercised by every CPU test:
+
+* a worker reads its source through a weak reference, so a source freed before its copy ran is
+  an error (``RuntimeError`` at the fetch that needed it), not silently read garbage (LESSONS 1);
+* copy-back waits for the copy-out it depends on (LESSONS 2): the two workers are independent;
+* ``delay_s`` (test-only; also ``CHAMELEON_SWAP_TEST_COPY_DELAY`` seconds) sleeps before every copy,
+  so a missing wait shows up as wrong bytes instead of passing by luck.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import weakref
+from collections import deque
+from typing import Callable, Optional
+
+import torch
+
+
+class CpuTicket:
+    __slots__ = ("_event", "error")
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.error: Optional[str] = None
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def _finish(self, error: Optional[str] = None) -> None:
+        self.error = error
+        self._event.set()
+
+    def _block(self) -> None:
+        self._event.wait()
+
+
+class _Worker(threading.Thread):
+    def __init__(self, name: str, delay_s: float) -> None:
+        super().__init__(name=name, daemon=True)
+        self.jobs: "queue.Queue" = queue.Queue()
+        self.delay_s = delay_s
+
+    def run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            src_ref, dst_ref, ticket, after = job
+            if after is not None:
+                after._block()
+                if after.error:
+                    ticket._finish(f"depends on a failed copy: {after.error}")
+                    continue
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            src, dst = src_ref(), dst_ref()
+            if src is None or dst is None:
+                ticket._finish(f"{self.name}: {'source' if src is None else 'destination'} "
+                               "was freed before its copy ran")
+                continue
+            try:
+                dst.copy_(src)
+                ticket._finish()
+            except Exception as e:  # surfaced to the thread that waits on the ticket
+                ticket._finish(f"{self.name}: {type(e).__name__}: {e}")
+
+
+class CpuCopyEngine:
+    device = torch.device("cpu")
+
+    def __init__(self, delay_s: Optional[float] = None) -> None:
+        if delay_s is None:
+            delay_s = float(os.environ.get("CHAMELEON_SWAP_TEST_COPY_DELAY", "0") or 0)
+        self.delay_s = delay_s
+        self._d2h = _Worker("chameleon-d2h", delay_s)
+        self._h2d = _Worker("chameleon-h2d", delay_s)
+        self._d2h.start()
+        self._h2d.start()
+        # Stop the threads when the engine is garbage collected without close().
+        weakref.finalize(self, _stop_workers, self._d2h, self._h2d)
+        # (ticket, keep-alive object, callback) in issue order; done tickets are reaped by poll().
+        self._deferred: deque = deque()
+        self._stall = 0.0
+
+    def record_ready(self) -> None:
+        return None  # CPU compute is synchronous: the bytes are final when the hook runs
+
+    def offload(self, src: torch.Tensor, dst: torch.Tensor, ready: object) -> CpuTicket:
+        ticket = CpuTicket()
+        # The worker holds only weak references; the deferred list below is what keeps src and dst
+        # alive until the copy is done, exactly as the CUDA engine's deferred free does.
+        self._deferred.append((ticket, (src, dst), None))
+        self._d2h.jobs.put((weakref.ref(src), weakref.ref(dst), ticket, None))
+        return ticket
+
+    def fetch(self, src: torch.Tensor, after: Optional[CpuTicket]) -> tuple[torch.Tensor, CpuTicket]:
+        dst = torch.empty(src.numel(), dtype=torch.uint8)
+        ticket = CpuTicket()
+        self._deferred.append((ticket, (src, dst), None))
+        self._h2d.jobs.put((weakref.ref(src), weakref.ref(dst), ticket, after))
+        return dst, ticket
+
+    def wait(self, ticket: CpuTicket) -> bool:
+        late = not ticket.done()
+        if late:
+            t0 = time.perf_counter()
+            ticket._block()
+            self._stall += time.perf_counter() - t0
+        if ticket.error:
+            raise RuntimeError(f"chameleon-swap copy failed: {ticket.error}")
+        return late
+
+    def wait_host(self, ticket: CpuTicket) -> float:
+        t0 = time.perf_counter()
+        ticket._block()
+        dt = time.perf_counter() - t0
+        self._stall += dt
+        if ticket.error:
+            raise RuntimeError(f"chameleon-swap copy failed: {ticket.error}")
+        return dt
+
+    def defer(self, ticket: CpuTicket, fn: Optional[Callable[[], None]] = None,
+              keep: object = None) -> None:
+        self._deferred.append((ticket, keep, fn))
+
+    def poll(self) -> None:
+        # The two workers finish out of order with each other, so scan the whole (short) list.
+        if not self._deferred:
+            return
+        pending = deque()
+        ready_fns = []
+        while self._deferred:
+            entry = self._deferred.popleft()
+            if entry[0].done():
+                if entry[2] is not None:
+                    ready_fns.append(entry[2])
+            else:
+                pending.append(entry)
+        self._deferred = pending
+        for fn in ready_fns:
+            fn()
+
+    def synchronize(self) -> None:
+        for ticket, _, _ in list(self._deferred):
+            ticket._block()
+        self.poll()
+
+    def take_stall_seconds(self) -> float:
+        s, self._stall = self._stall, 0.0
+        return s
+
+    def close(self) -> None:
+        self.synchronize()
+        _stop_workers(self._d2h, self._h2d)
+
+
+def _stop_workers(*workers: _Worker) -> None:
+    for w in workers:
+        if w.is_alive():
+            w.jobs.put(None)

@@ -1,0 +1,140 @@
+"""CUDA copy engine: one D2H and one H2D stream, ordered by events, with deferred frees.
+
+Rules (DESIGN.md, LESSONS.md 1, 2, 3, 7):
+* the D2H stream waits on an event recorded on the compute stream when the tensor was saved;
+* a device tensor being copied out stays referenced here until its copy event has completed; then
+  the compute stream waits on that (already complete) event before the reference is dropped, so the
+  caching allocator and the CUDA sanitizer both see the copy ordered before the free. No
+  ``record_stream``, which fragments the allocator;
+* a fetch's destination is allocated on the compute stream, the H2D stream waits for that point
+  and for the copy-out, and compute waits for the fetch's event before reading;
+* completion is learnt by querying only the oldest pending event of each stream (copies on one
+  stream finish in order), so polling costs at most two queries per call.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable, Optional
+
+import torch
+
+
+class CudaTicket:
+    __slots__ = ("event", "stream_id", "_done")
+
+    def __init__(self, event: torch.cuda.Event, stream_id: int) -> None:
+        self.event = event
+        self.stream_id = stream_id
+        self._done = False
+
+    def done(self) -> bool:
+        if not self._done and self.event.query():
+            self._done = True
+        return self._done
+
+
+class CudaCopyEngine:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.d2h = torch.cuda.Stream(device)
+        self.h2d = torch.cuda.Stream(device)
+        # Per stream, in issue order: (ticket, keep-alive object, callback).
+        self._deferred = {0: deque(), 1: deque()}
+        self._stall_pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._host_stall = 0.0
+
+    def _compute(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def record_ready(self) -> torch.cuda.Event:
+        ev = torch.cuda.Event()
+        ev.record(self._compute())
+        return ev
+
+    def offload(self, src: torch.Tensor, dst: torch.Tensor, ready: torch.cuda.Event) -> CudaTicket:
+        self.d2h.wait_event(ready)
+        with torch.cuda.stream(self.d2h):
+            dst.copy_(src, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(self.d2h)
+        ticket = CudaTicket(done, 0)
+        self._deferred[0].append((ticket, (src, dst), None))
+        return ticket
+
+    def fetch(self, src: torch.Tensor, after: Optional[CudaTicket]) -> tuple[torch.Tensor, CudaTicket]:
+        compute = self._compute()
+        dst = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)  # compute-stream block
+        allocated = torch.cuda.Event()
+        allocated.record(compute)
+        self.h2d.wait_event(allocated)
+        if after is not None:
+            self.h2d.wait_event(after.event)   # copy-back strictly after copy-out
+        with torch.cuda.stream(self.h2d):
+            dst.copy_(src, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(self.h2d)
+        ticket = CudaTicket(done, 1)
+        # dst is the caller's from now on; only the host source needs keeping alive here.
+        self._deferred[1].append((ticket, src, None))
+        return dst, ticket
+
+    def wait(self, ticket: CudaTicket) -> bool:
+        compute = self._compute()
+        if ticket.done():
+            compute.wait_event(ticket.event)  # free on the device; tells the sanitizer too
+            return False
+        before = torch.cuda.Event(enable_timing=True)
+        after = torch.cuda.Event(enable_timing=True)
+        before.record(compute)
+        compute.wait_event(ticket.event)
+        after.record(compute)
+        self._stall_pairs.append((before, after))   # read at step end, never inside the step
+        return True
+
+    def wait_host(self, ticket: CudaTicket) -> float:
+        t0 = time.perf_counter()
+        ticket.event.synchronize()
+        ticket._done = True
+        dt = time.perf_counter() - t0
+        self._host_stall += dt
+        return dt
+
+    def defer(self, ticket: CudaTicket, fn: Optional[Callable[[], None]] = None,
+              keep: object = None) -> None:
+        self._deferred[ticket.stream_id].append((ticket, keep, fn))
+
+    def poll(self) -> None:
+        compute = None
+        fns = []
+        for q in self._deferred.values():
+            while q and q[0][0].done():
+                ticket, keep, fn = q.popleft()
+                if keep is not None:
+                    compute = compute or self._compute()
+                    compute.wait_event(ticket.event)
+                if fn is not None:
+                    fns.append(fn)
+        for fn in fns:
+            fn()
+
+    def synchronize(self) -> None:
+        self.d2h.synchronize()
+        self.h2d.synchronize()
+        for q in self._deferred.values():
+            for ticket, _, _ in q:
+                ticket._done = True
+        self.poll()
+
+    def take_stall_seconds(self) -> float:
+        """Stall of the compute stream on late copies plus host waits; call at step end only."""
+        total = self._host_stall
+        for before, after in self._stall_pairs:
+            after.synchronize()
+            total += before.elapsed_time(after) / 1000.0
+        self._stall_pairs.clear()
+        self._host_stall = 0.0
+        return total
+
+    def close(self) -> None:
+        self.synchronize()

@@ -1,0 +1,267 @@
+"""``Chameleon``: the user's object. Configuration, ``step()``, wiring, ``StepStats`` and history.
+
+No policy logic lives here: the engine builds a copy engine, a host pool, an executor and a policy,
+installs the hooks for the duration of a step, and turns the executor's counters into a
+``StepStats`` at the end of it.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+import warnings
+from typing import Iterator, Optional
+
+import torch
+
+from .config import DEFAULT_MIN_TENSOR_BYTES, EngineConfig, SizeLike, format_bytes
+from .copy import make_copy_engine
+from .copy.bandwidth import resolve_device
+from .copy.host_pool import HostPool
+from .executor import Executor
+from .policy import make_policy
+
+log = logging.getLogger("chameleon_swap")
+
+
+@dataclasses.dataclass
+class StepStats:
+    """What one ``eng.step()`` did. Bytes are bytes; seconds are wall-clock on CPU and include
+    the device's work on CUDA (the step ends with a synchronization)."""
+
+    step: int
+    budget_bytes: Optional[int]        # this step's activation budget (None: unlimited)
+    peak_resident_bytes: int           # most saved-activation bytes kept on the device at once
+    saved_bytes: int                   # distinct storages saved for backward
+    offloaded_bytes: int               # copied device -> host
+    offloaded_tensors: int
+    prefetched_bytes: int              # copied host -> device ahead of need
+    fetched_bytes: int                 # copied host -> device on demand
+    sync_fetches: int                  # tensors needed before their copy back had arrived
+    late_prefetches: int               # of which: prefetched, but not early enough
+    budget_waits: int                  # times a save had to wait for a copy-out to finish
+    stall_seconds: float               # compute time lost waiting for copies
+    step_seconds: float
+    host_peak_bytes: int               # host buffer bytes in use at most (pool, all steps)
+    skipped_bytes: int                 # parameters/buffers saved: never moved, not counted
+    peak_device_bytes: Optional[int] = None   # CUDA max_memory_allocated, with device_memory_limit
+    failed: bool = False               # the step ended with an exception
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        parts = [f"step {self.step}",
+                 f"peak {format_bytes(self.peak_resident_bytes)} / {format_bytes(self.budget_bytes)}",
+                 f"out {format_bytes(self.offloaded_bytes)}",
+                 f"back {format_bytes(self.prefetched_bytes + self.fetched_bytes)}",
+                 f"sync {self.sync_fetches}",
+                 f"stall {self.stall_seconds * 1e3:.1f} ms",
+                 f"step {self.step_seconds * 1e3:.1f} ms"]
+        if self.peak_device_bytes is not None:
+            parts.append(f"device peak {format_bytes(self.peak_device_bytes)}")
+        return " | ".join(parts)
+
+
+class Chameleon:
+    """Keep the activations a training step saves for backward under a device-memory budget.
+
+    Args:
+        budget: bytes of saved activations that may be resident on the device at once (a tensor
+            being copied out counts until its copy completes): an int or a size string
+            ("512MB", "1.5GiB"); None means no limit.
+        device: the device whose activations are managed ('cpu' or 'cuda[:N]'); default the
+            current CUDA device if there is one, else the CPU.
+        min_tensor_bytes: storages smaller than this stay resident (and counted) unless the
+            budget cannot be held otherwise.
+        device_memory_limit: CUDA only: a cap on all memory allocated on the device; each step's
+            activation budget is derived from what is allocated when it begins.
+        policy: "guard" (no profile needed; holds the budget on any step).
+        host_memory_limit: most host memory offloaded activations may take; default half of the
+            RAM available when the engine is created.
+
+    Use it as a context manager, and mark each iteration (forward and backward) with ``step()``::
+
+        with Chameleon(budget="6GiB") as eng:
+            for batch in loader:
+                with eng.step():
+                    loss = model(batch)
+                    loss.backward()
+                opt.step(); opt.zero_grad()
+    """
+
+    def __init__(self, budget: SizeLike = None, *, device=None,
+                 min_tensor_bytes: SizeLike = DEFAULT_MIN_TENSOR_BYTES,
+                 device_memory_limit: SizeLike = None, policy: str = "guard",
+                 host_memory_limit: SizeLike = None) -> None:
+        self.config = EngineConfig(budget=budget, min_tensor_bytes=min_tensor_bytes,
+                                   device_memory_limit=device_memory_limit, policy=policy,
+                                   host_memory_limit=host_memory_limit)
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = resolve_device(device, "device")
+        if self.config.device_memory_limit_bytes is not None and self.device.type != "cuda":
+            raise ValueError(f"device_memory_limit caps CUDA memory, but this engine's device is "
+                             f"{self.device}; use budget= to bound saved activations on the CPU")
+        self._pool = HostPool(self.config.host_memory_limit_bytes, pin=self.device.type == "cuda")
+        self._copy = make_copy_engine(self.device)
+        self._ex = Executor(self.device, self._copy, self._pool, self.config.min_tensor_bytes)
+        self._policy = make_policy(self.config.policy, self._ex)
+        self._ex.policy = self._policy
+        self.history: list[StepStats] = []
+        self._in_step = False
+        self._closed = False
+        self._module_starts: list[int] = []
+        self._transient_bytes: Optional[int] = None   # learnt non-activation peak of a step
+        self._warned_foreign = False
+
+    # ------------------------------------------------------------------ public state
+    @property
+    def budget_bytes(self) -> Optional[int]:
+        return self.config.budget_bytes
+
+    @property
+    def policy(self) -> str:
+        return self.config.policy
+
+    @property
+    def last_step(self) -> Optional[StepStats]:
+        return self.history[-1] if self.history else None
+
+    @property
+    def host_bytes_in_use(self) -> int:
+        """Host memory holding offloaded activations right now (0 between steps once the
+        graphs are gone); cached free buffers of the pool are not counted."""
+        return self._pool.in_use_bytes
+
+    @property
+    def resident_bytes(self) -> int:
+        return self._ex.resident_bytes
+
+    def __repr__(self) -> str:
+        return (f"Chameleon(budget={format_bytes(self.budget_bytes)}, device={self.device}, "
+                f"policy={self.policy!r}, steps={len(self.history)})")
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> "Chameleon":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release every host buffer (saved tensors still held by a graph become unusable)."""
+        if self._closed:
+            return
+        if self._in_step:
+            raise RuntimeError("Chameleon.close() was called inside eng.step(); leave the step first")
+        self._ex.release_all("the engine was closed")
+        self._copy.close()
+        self._pool.clear()
+        self._closed = True
+
+    # ------------------------------------------------------------------ one iteration
+    @contextlib.contextmanager
+    def step(self) -> Iterator["Chameleon"]:
+        """Mark one training iteration (forward and backward) run under the budget."""
+        if self._closed:
+            raise RuntimeError("this Chameleon engine is closed; create a new one")
+        if self._in_step:
+            raise RuntimeError("eng.step() cannot be nested: one step is one iteration "
+                               "(forward and backward); end the current step first")
+        self._in_step = True
+        budget = self._step_budget()
+        self._ex.begin_step(budget)
+        self._policy.begin_step()
+        self._module_starts = []
+        hooks = [torch.nn.modules.module.register_module_forward_pre_hook(self._module_pre),
+                 torch.nn.modules.module.register_module_forward_hook(self._module_post)]
+        t0 = time.perf_counter()
+        failed = False
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._ex.pack, self._ex.unpack):
+                yield self
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            for h in hooks:
+                h.remove()
+            self._finish_step(t0, budget, failed)
+
+    def _step_budget(self) -> Optional[int]:
+        budget = self.config.budget_bytes
+        limit = self.config.device_memory_limit_bytes
+        if limit is not None:
+            allocated = torch.cuda.memory_allocated(self.device)
+            headroom = max(0, limit - allocated)
+            # Non-activation memory of a step (gradients, workspaces, the tensors in flight between
+            # ops) is learnt from the previous step; the first step reserves half the headroom.
+            transient = headroom // 2 if self._transient_bytes is None else self._transient_bytes
+            derived = max(0, headroom - transient)
+            budget = derived if budget is None else min(budget, derived)
+            self._allocated_at_start = allocated
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return budget
+
+    def _finish_step(self, t0: float, budget: Optional[int], failed: bool) -> None:
+        try:
+            counters = self._ex.end_step(failed)
+            self._policy.end_step()
+            peak_device = None
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+                if self.config.device_memory_limit_bytes is not None:
+                    peak_device = torch.cuda.max_memory_allocated(self.device)
+                    transient = peak_device - self._allocated_at_start - counters.peak_resident_bytes
+                    # 10% and 1 MiB of slack: allocator rounding and step-to-step jitter.
+                    learnt = int(max(0, transient) * 1.1) + 2**20
+                    self._transient_bytes = max(self._transient_bytes or 0, learnt)
+            stats = StepStats(
+                step=len(self.history), budget_bytes=budget,
+                peak_resident_bytes=counters.peak_resident_bytes, saved_bytes=counters.saved_bytes,
+                offloaded_bytes=counters.offloaded_bytes,
+                offloaded_tensors=counters.offloaded_tensors,
+                prefetched_bytes=counters.prefetched_bytes, fetched_bytes=counters.fetched_bytes,
+                sync_fetches=counters.sync_fetches, late_prefetches=counters.late_prefetches,
+                budget_waits=counters.budget_waits, stall_seconds=self._copy.take_stall_seconds(),
+                step_seconds=time.perf_counter() - t0, host_peak_bytes=self._pool.peak_in_use_bytes,
+                skipped_bytes=counters.skipped_bytes, peak_device_bytes=peak_device, failed=failed)
+            self.history.append(stats)
+            log.info("%s", stats)
+            if counters.saved_bytes == 0 and counters.foreign_bytes > 0 and not self._warned_foreign:
+                self._warned_foreign = True
+                warnings.warn(f"chameleon-swap: this step saved {format_bytes(counters.foreign_bytes)} "
+                              f"of activations on other devices than the engine's ({self.device}); "
+                              "pass device= to manage them", RuntimeWarning, stacklevel=4)
+        finally:
+            self._in_step = False
+
+    # ------------------------------------------------------------------ module hooks
+    def _module_pre(self, module: torch.nn.Module, args) -> None:
+        self._ex.protect_buffers(module)
+        self._module_starts.append(self._ex.next_index)
+
+    def _module_post(self, module: torch.nn.Module, args, output) -> None:
+        start = self._module_starts.pop() if self._module_starts else 0
+        if self._ex.next_index == start or not torch.is_grad_enabled():
+            return
+        t = _first_grad_output(output)
+        if t is not None:
+            # Fires when the gradient of this module's output is ready: just before backward
+            # reaches the tensors this module saved.
+            t.register_hook(self._ex.backward_trigger)
+
+
+def _first_grad_output(output) -> Optional[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return output if output.grad_fn is not None else None
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        for o in output:
+            t = _first_grad_output(o)
+            if t is not None:
+                return t
+    return None
