@@ -1,0 +1,69 @@
+"""Shared test helpers: run the same code with and without the engine and compare bit for bit."""
+from __future__ import annotations
+
+import copy
+from typing import Callable, Optional
+
+import torch
+
+import chameleon_swap as cs
+
+
+def grads(model: torch.nn.Module) -> dict:
+    return {n: (None if p.grad is None else p.grad.detach().clone())
+            for n, p in model.named_parameters()}
+
+
+def train_step(model: torch.nn.Module, batch, eng: Optional[cs.Chameleon] = None,
+               loss_fn: Optional[Callable] = None) -> torch.Tensor:
+    """One forward+backward; inside ``eng.step()`` when an engine is given. Returns the loss."""
+    loss_fn = loss_fn or (lambda m, b: m(*b) if isinstance(b, tuple) else m(b))
+    if eng is None:
+        loss = loss_fn(model, batch)
+        loss.backward()
+    else:
+        with eng.step():
+            loss = loss_fn(model, batch)
+            loss.backward()
+    return loss.detach()
+
+
+def assert_bitwise(ref_loss, ref_grads, loss, got_grads) -> None:
+    assert torch.equal(ref_loss, loss), f"loss differs: {ref_loss.item()} vs {loss.item()}"
+    assert ref_grads.keys() == got_grads.keys()
+    for name in ref_grads:
+        a, b = ref_grads[name], got_grads[name]
+        assert (a is None) == (b is None), f"grad presence differs for {name}"
+        if a is not None:
+            assert torch.equal(a, b), f"gradient of {name} differs (max abs diff {(a - b).abs().max()})"
+
+
+def natural_peak(model: torch.nn.Module, batch, loss_fn=None, device="cpu") -> int:
+    """Saved-activation peak of one step with no budget (everything counted, nothing moved)."""
+    m = copy.deepcopy(model)
+    with cs.Chameleon(None, device=device, min_tensor_bytes=0) as eng:
+        train_step(m, batch, eng, loss_fn)
+        return eng.last_step.peak_resident_bytes
+
+
+def compare(model: torch.nn.Module, batches, budget_fraction: Optional[float], *,
+            loss_fn=None, device="cpu", min_tensor_bytes=0, **engine_kwargs):
+    """Train a copy of ``model`` on ``batches`` without and with the engine (budget a fraction of
+    each batch's natural peak, or None for unlimited); assert bitwise equality of every loss and
+    gradient and that every step holds its budget. Returns the engine's history."""
+    ref, test = copy.deepcopy(model), copy.deepcopy(model)
+    peaks = [natural_peak(model, b, loss_fn, device) for b in batches]
+    budget = None if budget_fraction is None else int(min(peaks) * budget_fraction)
+    with cs.Chameleon(budget, device=device, min_tensor_bytes=min_tensor_bytes,
+                      **engine_kwargs) as eng:
+        for b in batches:
+            ref.zero_grad(set_to_none=True)
+            test.zero_grad(set_to_none=True)
+            l_ref = train_step(ref, b, None, loss_fn)
+            l = train_step(test, b, eng, loss_fn)
+            assert_bitwise(l_ref, grads(ref), l, grads(test))
+            st = eng.last_step
+            if budget is not None:
+                assert st.peak_resident_bytes <= budget, st
+            assert eng.host_bytes_in_use == 0, "host buffers still held after the step"
+        return list(eng.history), peaks, budget
