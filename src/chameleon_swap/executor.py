@@ -65,7 +65,11 @@ class Handle:
     def __init__(self, ex: "Executor", rec: Optional[Record], t: torch.Tensor) -> None:
         self.ex = ex
         self.rec = rec
-        self.tensor: Optional[torch.Tensor] = t   # the original, while it is on the device
+        # A detached alias of the original while it is on the device: same storage, same version
+        # counter, but no autograd metadata. Holding the original would make a reference cycle
+        # for saved *outputs* (node -> handle -> output -> grad_fn = node) that Python's gc cannot
+        # see through C++, so a graph dropped without backward would never be freed.
+        self.tensor: Optional[torch.Tensor] = t.detach()
         self.tref = weakref.ref(t)                # to check its version after we let go of it
         self.size = t.size()
         self.stride = t.stride()

@@ -66,9 +66,14 @@ class _Worker(threading.Thread):
                 continue
             try:
                 dst.copy_(src)
-                ticket._finish()
+                error = None
             except Exception as e:  # surfaced to the thread that waits on the ticket
-                ticket._finish(f"{self.name}: {type(e).__name__}: {e}")
+                error = f"{self.name}: {type(e).__name__}: {e}"
+            # Drop the strong references before signalling: a worker idling in jobs.get() with
+            # the last source still bound would keep that device storage alive after its record
+            # stopped counting it (found by the independent residency check in test_engine).
+            del src, dst, job
+            ticket._finish(error)
 
 
 class CpuCopyEngine:
@@ -164,3 +169,7 @@ def _stop_workers(*workers: _Worker) -> None:
     for w in workers:
         if w.is_alive():
             w.jobs.put(None)
+    # Join so no copy is still running inside torch when the interpreter tears down.
+    for w in workers:
+        if w.is_alive() and w is not threading.current_thread():
+            w.join(timeout=5)
