@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from decimal import Decimal, localcontext
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -24,7 +25,9 @@ _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\
 _ACCEPTED = ("a non-negative int of bytes, or a size string such as '512MB', '1.5GiB', "
              "'4096' (units B, KB, MB, GB, TB decimal; KiB, MiB, GiB, TiB and K, M, G, T binary)")
 
-POLICIES = ("guard",)
+_MAX_BYTES = 2**64  # more than any machine has: a typo, not a budget
+
+POLICIES = ("guard", "chameleon", "static")
 
 
 def parse_size(value: SizeLike, name: str = "size", *, allow_none: bool = True) -> Optional[int]:
@@ -44,21 +47,35 @@ def parse_size(value: SizeLike, name: str = "size", *, allow_none: bool = True) 
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"{name} must be {_ACCEPTED}; got {value!r}, which is negative")
-        return int(value)
+        return _bounded(int(value), value, name)
     if isinstance(value, float):
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"{name} must be {_ACCEPTED}; got {value!r}")
+        # Bounded by its shortest repr (what the user typed; the string form of the same number
+        # gets the same verdict), then rounded down to whole bytes.
+        _bounded(int(Decimal(repr(value))), value, name)
         return int(value)
     if isinstance(value, str):
         m = _SIZE_RE.match(value)
         if m is None or m.group(2).lower() not in _UNITS:
             raise ValueError(f"{name} must be {_ACCEPTED}; could not parse {value!r}")
-        number = float(m.group(1))
-        result = number * _UNITS[m.group(2).lower()]
-        if not math.isfinite(result):
+        # Decimal, not float: '4.1MB' is exactly 4100000 bytes and a 17-digit count stays exact.
+        # Enough precision for any digit string the pattern lets through at a sane size; an
+        # absurd exponent is "too large", never a decimal.Overflow.
+        number = Decimal(m.group(1))
+        if number.adjusted() > 40:
             raise ValueError(f"{name} must be {_ACCEPTED}; {value!r} is too large")
-        return int(result)
+        with localcontext() as ctx:
+            ctx.prec = max(60, len(m.group(1)) + 20)
+            result = number * _UNITS[m.group(2).lower()]
+        return _bounded(int(result), value, name)
     raise TypeError(f"{name} must be {_ACCEPTED}; got {type(value).__name__} {value!r}")
+
+
+def _bounded(n: int, value, name: str) -> int:
+    if n > _MAX_BYTES:
+        raise ValueError(f"{name} must be {_ACCEPTED}; {value!r} is too large (over 2**64 bytes)")
+    return n
 
 
 def format_bytes(n: Optional[float]) -> str:
@@ -110,8 +127,18 @@ class EngineConfig:
     device_memory_limit: SizeLike = None
     policy: str = "guard"
     host_memory_limit: SizeLike = None
+    # Sequence-change thresholds of the profiler (Chameleon's defaults: 5% length, 0.95 cosine).
+    length_tolerance: float = 0.05
+    min_similarity: float = 0.95
+    plan_cache_size: int = 16
 
     def __post_init__(self) -> None:
+        self.length_tolerance = _fraction(self.length_tolerance, "length_tolerance")
+        self.min_similarity = _fraction(self.min_similarity, "min_similarity")
+        if isinstance(self.plan_cache_size, bool) or not isinstance(self.plan_cache_size, int) \
+                or self.plan_cache_size < 1:
+            raise ValueError(f"plan_cache_size must be a positive int (plans kept by signature); "
+                             f"got {self.plan_cache_size!r}")
         self.budget_bytes = parse_size(self.budget, "budget")
         self.min_tensor_bytes = parse_size(self.min_tensor_bytes, "min_tensor_bytes", allow_none=False)
         self.device_memory_limit_bytes = parse_size(self.device_memory_limit, "device_memory_limit")
@@ -123,3 +150,10 @@ class EngineConfig:
             avail = available_host_memory()
             limit = int(avail * DEFAULT_HOST_FRACTION) if avail else 8 * 2**30
         self.host_memory_limit_bytes = limit
+
+
+def _fraction(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or not 0 <= value <= 1:
+        raise ValueError(f"{name} must be a number between 0 and 1; got {value!r}")
+    return float(value)

@@ -11,16 +11,19 @@ import dataclasses
 import logging
 import time
 import warnings
+import weakref
 from typing import Iterator, Optional
 
 import torch
 
 from .config import DEFAULT_MIN_TENSOR_BYTES, EngineConfig, SizeLike, format_bytes
 from .copy import make_copy_engine
-from .copy.bandwidth import resolve_device
+from .copy.bandwidth import cached_bandwidth, resolve_device
 from .copy.host_pool import HostPool
 from .executor import Executor
 from .policy import make_policy
+from .profiler import Profiler
+from .sequence import similarity
 
 log = logging.getLogger("chameleon_swap")
 
@@ -47,6 +50,15 @@ class StepStats:
     skipped_bytes: int                 # parameters/buffers saved: never moved, not counted
     peak_device_bytes: Optional[int] = None   # CUDA max_memory_allocated, with device_memory_limit
     failed: bool = False               # the step ended with an exception
+    # Adaptivity (profiler and plans).
+    sequence_changed: bool = False     # differs from the previous step beyond the thresholds
+    plan_source: str = "guard"         # "guard" | "planned" | "cache"
+    predicted_stall_seconds: Optional[float] = None   # the applied plan's prediction
+    profiler_seconds: float = 0.0      # host time the profiler took during this step
+    profile_mode: str = "lightweight"  # "lightweight" | "detailed" (timed)
+    signature: str = ""                # exact hash of this step's operator sequence
+    plan_overrides: int = 0            # tensors a plan kept that the guard had to move
+    forced_offloads: int = 0           # saves copied out synchronously to hold the budget
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -61,6 +73,7 @@ class StepStats:
                  f"step {self.step_seconds * 1e3:.1f} ms"]
         if self.peak_device_bytes is not None:
             parts.append(f"device peak {format_bytes(self.peak_device_bytes)}")
+        parts.append(self.plan_source + (" (changed)" if self.sequence_changed else ""))
         return " | ".join(parts)
 
 
@@ -77,9 +90,15 @@ class Chameleon:
             budget cannot be held otherwise.
         device_memory_limit: CUDA only: a cap on all memory allocated on the device; each step's
             activation budget is derived from what is allocated when it begins.
-        policy: "guard" (no profile needed; holds the budget on any step).
+        policy: "guard" (no profile needed; holds the budget on any step), "chameleon" (profiles
+            every step, plans per operator sequence, adapts when it changes; the guard underneath)
+            or "static" (one plan made after warm-up and frozen: the baseline of frozen peers).
         host_memory_limit: most host memory offloaded activations may take; default half of the
             RAM available when the engine is created.
+        length_tolerance, min_similarity: a step's operator sequence counts as changed when its
+            length differs by more than ``length_tolerance`` (relative) or the cosine similarity
+            of the two sequences is below ``min_similarity``; defaults 5% and 0.95.
+        plan_cache_size: plans kept, one per operator-sequence signature (LRU).
 
     Use it as a context manager, and mark each iteration (forward and backward) with ``step()``::
 
@@ -94,10 +113,13 @@ class Chameleon:
     def __init__(self, budget: SizeLike = None, *, device=None,
                  min_tensor_bytes: SizeLike = DEFAULT_MIN_TENSOR_BYTES,
                  device_memory_limit: SizeLike = None, policy: str = "guard",
-                 host_memory_limit: SizeLike = None) -> None:
+                 host_memory_limit: SizeLike = None, length_tolerance: float = 0.05,
+                 min_similarity: float = 0.95, plan_cache_size: int = 16) -> None:
         self.config = EngineConfig(budget=budget, min_tensor_bytes=min_tensor_bytes,
                                    device_memory_limit=device_memory_limit, policy=policy,
-                                   host_memory_limit=host_memory_limit)
+                                   host_memory_limit=host_memory_limit,
+                                   length_tolerance=length_tolerance, min_similarity=min_similarity,
+                                   plan_cache_size=plan_cache_size)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = resolve_device(device, "device")
@@ -107,8 +129,22 @@ class Chameleon:
         self._pool = HostPool(self.config.host_memory_limit_bytes, pin=self.device.type == "cuda")
         self._copy = make_copy_engine(self.device)
         self._ex = Executor(self.device, self._copy, self._pool, self.config.min_tensor_bytes)
-        self._policy = make_policy(self.config.policy, self._ex)
+        self._profiler = Profiler(self.device)
+        self._ex.profiler = self._profiler
+        self._policy = make_policy(self.config.policy, self._ex,
+                                   cache_size=self.config.plan_cache_size)
+        self._policy.bandwidth_fn = self._bandwidth
         self._ex.policy = self._policy
+        self._prev_ids: Optional[list] = None
+        # Global module hooks, registered once for the engine's life and idle outside a step:
+        # re-registering them every step would change the hook ids torch.compile guards on and
+        # recompile every compiled module every step.
+        # They hold the engine weakly, so an engine never closed can still be collected.
+        self._hooks = [torch.nn.modules.module.register_module_forward_pre_hook(
+                           _weak_hook(self._module_pre)),
+                       torch.nn.modules.module.register_module_forward_hook(
+                           _weak_hook(self._module_post))]
+        weakref.finalize(self, _remove_hooks, list(self._hooks))
         self.history: list[StepStats] = []
         self._in_step = False
         self._closed = False
@@ -143,6 +179,11 @@ class Chameleon:
         return (f"Chameleon(budget={format_bytes(self.budget_bytes)}, device={self.device}, "
                 f"policy={self.policy!r}, steps={len(self.history)})")
 
+    def _bandwidth(self) -> tuple[float, float]:
+        """(device->host, host->device) bytes per second for the planner, measured once."""
+        bw = cached_bandwidth(self.device)
+        return bw.d2h_bytes_per_s, bw.h2d_bytes_per_s
+
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Chameleon":
         return self
@@ -157,6 +198,9 @@ class Chameleon:
         if self._in_step:
             raise RuntimeError("Chameleon.close() was called inside eng.step(); leave the step first")
         self._ex.release_all("the engine was closed")
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
         self._copy.close()
         self._pool.clear()
         self._closed = True
@@ -174,20 +218,18 @@ class Chameleon:
         budget = self._step_budget()
         self._ex.begin_step(budget)
         self._policy.begin_step()
+        self._profiler.begin_step(detailed=self._policy.wants_detail())
         self._module_starts = []
-        hooks = [torch.nn.modules.module.register_module_forward_pre_hook(self._module_pre),
-                 torch.nn.modules.module.register_module_forward_hook(self._module_post)]
         t0 = time.perf_counter()
         failed = False
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._ex.pack, self._ex.unpack):
+            with torch.autograd.graph.saved_tensors_hooks(_eager(self._ex.pack),
+                                                          _eager(self._ex.unpack)):
                 yield self
         except BaseException:
             failed = True
             raise
         finally:
-            for h in hooks:
-                h.remove()
             self._finish_step(t0, budget, failed)
 
     def _step_budget(self) -> Optional[int]:
@@ -208,7 +250,6 @@ class Chameleon:
     def _finish_step(self, t0: float, budget: Optional[int], failed: bool) -> None:
         try:
             counters = self._ex.end_step(failed)
-            self._policy.end_step()
             peak_device = None
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
@@ -218,6 +259,16 @@ class Chameleon:
                     # 10% and 1 MiB of slack: allocator rounding and step-to-step jitter.
                     learnt = int(max(0, transient) * 1.1) + 2**20
                     self._transient_bytes = max(self._transient_bytes or 0, learnt)
+            step_seconds = time.perf_counter() - t0
+            profile = self._profiler.finish(step_seconds)
+            changed = False
+            if profile.ids:        # a step that saved nothing (eval under no_grad) changes nothing
+                if self._prev_ids is not None:
+                    changed = similarity(self._prev_ids, profile.ids).changed(
+                        self.config.length_tolerance, self.config.min_similarity)
+                self._prev_ids = profile.ids
+            self._policy.end_step(None if failed else profile)
+            report = self._policy.report()
             stats = StepStats(
                 step=len(self.history), budget_bytes=budget,
                 peak_resident_bytes=counters.peak_resident_bytes, saved_bytes=counters.saved_bytes,
@@ -226,8 +277,14 @@ class Chameleon:
                 prefetched_bytes=counters.prefetched_bytes, fetched_bytes=counters.fetched_bytes,
                 sync_fetches=counters.sync_fetches, late_prefetches=counters.late_prefetches,
                 budget_waits=counters.budget_waits, stall_seconds=self._copy.take_stall_seconds(),
-                step_seconds=time.perf_counter() - t0, host_peak_bytes=self._pool.peak_in_use_bytes,
-                skipped_bytes=counters.skipped_bytes, peak_device_bytes=peak_device, failed=failed)
+                step_seconds=step_seconds, host_peak_bytes=self._pool.peak_in_use_bytes,
+                skipped_bytes=counters.skipped_bytes, peak_device_bytes=peak_device, failed=failed,
+                sequence_changed=changed, plan_source=report["plan_source"],
+                predicted_stall_seconds=report["predicted_stall_seconds"],
+                profiler_seconds=profile.profiler_seconds,
+                profile_mode="detailed" if profile.detailed else "lightweight",
+                signature=profile.signature, plan_overrides=report["plan_overrides"],
+                forced_offloads=counters.forced_offloads)
             self.history.append(stats)
             log.info("%s", stats)
             if counters.saved_bytes == 0 and counters.foreign_bytes > 0 and not self._warned_foreign:
@@ -240,10 +297,16 @@ class Chameleon:
 
     # ------------------------------------------------------------------ module hooks
     def _module_pre(self, module: torch.nn.Module, args) -> None:
+        if not self._in_step or _compiling():
+            return
         self._ex.protect_buffers(module)
         self._module_starts.append(self._ex.next_index)
+        self._profiler.module_enter(module)
 
     def _module_post(self, module: torch.nn.Module, args, output) -> None:
+        if not self._in_step or _compiling():
+            return
+        self._profiler.module_exit(module)
         start = self._module_starts.pop() if self._module_starts else 0
         if self._ex.next_index == start or not torch.is_grad_enabled():
             return
@@ -252,6 +315,38 @@ class Chameleon:
             # Fires when the gradient of this module's output is ready: just before backward
             # reaches the tensors this module saved.
             t.register_hook(self._ex.backward_trigger)
+
+
+def _eager(fn):
+    """Keep torch.compile from tracing into the engine's hooks: they run eagerly (one graph break
+    each) instead of being inlined, so dynamo never holds the engine's objects in its tracing
+    state nor guards on them."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(fn) if disable is not None else fn
+
+
+def _weak_hook(method):
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        m = ref()
+        if m is not None:
+            return m(*args)
+    return _eager(hook)
+
+
+def _remove_hooks(hooks) -> None:
+    for h in hooks:
+        h.remove()
+
+
+def _compiling() -> bool:
+    """Inside torch.compile's tracing the hooks step aside (no graph breaks): the compiled
+    region's saved tensors still go through the pack/unpack hooks, which run eagerly."""
+    return _is_compiling()
+
+
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
 
 
 def _first_grad_output(output) -> Optional[torch.Tensor]:

@@ -36,7 +36,8 @@ RELEASED = "released"
 
 class Record:
     __slots__ = ("index", "nbytes", "small", "state", "device", "host", "ready", "out_ticket",
-                 "in_ticket", "handles", "live", "counted", "keep_on_device", "failed", "__weakref__")
+                 "in_ticket", "handles", "live", "counted", "keep_on_device", "failed", "key", "used",
+                 "__weakref__")
 
     def __init__(self, index: int, nbytes: int, small: bool, device: Optional[torch.Tensor],
                  ready: object) -> None:
@@ -54,12 +55,14 @@ class Record:
         self.counted = False          # bytes included in resident_bytes
         self.keep_on_device = False   # unpacked while its copy-out was in flight: keep it
         self.failed: Optional[str] = None
+        self.key = None               # the profiler's TensorKey (identity across iterations)
+        self.used = False             # backward has needed it this step
 
 
 class Handle:
     """Autograd's stand-in for one saved tensor."""
 
-    __slots__ = ("ex", "rec", "tensor", "tref", "size", "stride", "offset", "dtype", "version",
+    __slots__ = ("ex", "rec", "tensor", "tref", "bref", "witness", "size", "stride", "offset", "dtype", "version",
                  "conj", "neg", "dirty", "__weakref__")
 
     def __init__(self, ex: "Executor", rec: Optional[Record], t: torch.Tensor) -> None:
@@ -70,7 +73,12 @@ class Handle:
         # for saved *outputs* (node -> handle -> output -> grad_fn = node) that Python's gc cannot
         # see through C++, so a graph dropped without backward would never be freed.
         self.tensor: Optional[torch.Tensor] = t.detach()
-        self.tref = weakref.ref(t)                # to check its version after we let go of it
+        # To check the version after we let go of the bytes: the saved object and, for a view,
+        # its base (a temporary view such as ``w.t()`` dies at once, while the base it shares a
+        # version counter with is what user code modifies in place).
+        self.tref = weakref.ref(t)
+        self.bref = weakref.ref(t._base) if t._base is not None else None
+        self.witness: Optional[torch.Tensor] = None   # see _make_witness
         self.size = t.size()
         self.stride = t.stride()
         self.offset = t.storage_offset()
@@ -89,6 +97,14 @@ class Handle:
             v = v.conj()
         return v
 
+    def current_version(self) -> Optional[int]:
+        """The saved tensor's version now, from whatever still shares its version counter."""
+        for t in (self.tensor, self.witness, self.tref(),
+                  self.bref() if self.bref is not None else None):
+            if t is not None:
+                return t._version
+        return None
+
     def __del__(self) -> None:
         rec = self.rec
         if rec is not None:
@@ -101,11 +117,38 @@ class Handle:
 class StepCounters:
     __slots__ = ("saved_bytes", "skipped_bytes", "foreign_bytes", "offloaded_bytes", "offloaded_tensors",
                  "prefetched_bytes", "fetched_bytes", "sync_fetches", "late_prefetches",
-                 "budget_waits", "peak_resident_bytes")
+                 "budget_waits", "forced_offloads", "peak_resident_bytes")
 
     def __init__(self) -> None:
         for name in self.__slots__:
             setattr(self, name, 0)
+
+
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
+
+
+def _set_version(t: torch.Tensor, v: int) -> None:
+    try:
+        torch._C._autograd._unsafe_set_version_counter((t,), (v,))
+    except TypeError:                     # older signature: one tensor, one int
+        torch._C._autograd._unsafe_set_version_counter(t, v)
+
+
+def _make_witness(alias: torch.Tensor) -> Optional[torch.Tensor]:
+    """Turn ``alias`` (a detached alias of a saved tensor, ours alone) into a tensor that shares
+    the saved tensor's version counter but no longer its storage, so the version can still be
+    checked at unpack after the bytes left the device and every user reference is gone
+    (LESSONS 11). ``set_`` bumps the shared counter; it is put back at once."""
+    if _is_compiling():
+        return None
+    try:
+        v = alias._version
+        with torch.no_grad():
+            alias.set_(torch.empty(0, dtype=alias.dtype, device=alias.device))
+        _set_version(alias, v)
+        return alias
+    except Exception:                     # no such private API on this torch: weak refs only
+        return None
 
 
 def _version_error(h: Handle, now: int) -> RuntimeError:
@@ -124,6 +167,7 @@ class Executor:
         self.pool = pool
         self.min_tensor_bytes = min_tensor_bytes
         self.policy = None                       # set by the engine
+        self.profiler = None                     # set by the engine (sees every save and use)
         self.budget: Optional[int] = None        # this step's budget in bytes
         self.lock = threading.RLock()
         self._records: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -184,11 +228,13 @@ class Executor:
         with self.lock:
             if self._is_state(t):
                 self.stats.skipped_bytes += t.untyped_storage().nbytes()
+                self.profiler.on_save(t, False)
                 return Handle(self, None, t)
             self.copy.poll()
             storage = t.untyped_storage()
             rec = self._records.get(storage)
             if rec is not None and rec.state != RELEASED:
+                self.profiler.on_save(t, False)
                 h = Handle(self, rec, t)
                 self._attach(rec, h)
                 return h
@@ -197,6 +243,7 @@ class Executor:
             rec = Record(self.next_index, nbytes, nbytes < self.min_tensor_bytes, raw,
                          self.copy.record_ready())
             self.next_index += 1
+            rec.key = self.profiler.on_save(t, True)
             self.stats.saved_bytes += nbytes
             self._records[storage] = rec
             self.live.add(rec)
@@ -206,6 +253,7 @@ class Executor:
                 self.policy.make_room(rec)
                 if self.resident_bytes + nbytes > self.budget:
                     # The policy could not make room: keep the promise by copying it out now.
+                    self.stats.forced_offloads += 1
                     self.offload(rec)
                     self.wait_offload(rec)
                     return h
@@ -251,7 +299,8 @@ class Executor:
         for ref in rec.handles:
             h = ref()
             if h is not None and h.tensor is not None:
-                keep.append(h.tensor)
+                keep.append((h, h.tensor))
+                h.witness = h.tensor      # versions stay visible while the copy is in flight
                 h.tensor = None
         self.stats.offloaded_bytes += rec.nbytes
         self.stats.offloaded_tensors += 1
@@ -260,8 +309,10 @@ class Executor:
     def _offloaded(self, rec: Record, keep: list) -> None:
         if rec.state != OFFLOADING:
             return
-        for t in keep:
-            self._check_tensor(rec, t)
+        for h, t in keep:
+            if t._version != h.version and h.dirty is None:
+                h.dirty = t._version      # written while its copy was in flight
+            h.witness = _make_witness(t)
         if rec.counted:
             self.inflight_out_bytes -= rec.nbytes
         if rec.keep_on_device:
@@ -316,11 +367,15 @@ class Executor:
             if rec.failed:
                 raise RuntimeError(f"chameleon-swap: {rec.failed}")
             self.copy.poll()
-            t = h.tref()
-            if t is not None and t._version != h.version:
-                raise _version_error(h, t._version)
+            now = h.current_version()
+            if now is not None and now != h.version:
+                raise _version_error(h, now)
             if h.dirty is not None:
                 raise _version_error(h, h.dirty)
+            if not rec.used:
+                rec.used = True
+                self.profiler.on_first_use(rec.index)
+                self.policy.on_first_use(rec)
             if rec.state == OFFLOADING:
                 rec.keep_on_device = True                # needed already: keep the device copy
             elif rec.state == HOST:
@@ -376,16 +431,11 @@ class Executor:
                 self.copy.defer(last, lambda: self.pool.release(host))
 
     # ------------------------------------------------------------------ version checks
+
     def _check_versions(self, rec: Record) -> None:
         for ref in rec.handles:
             h = ref()
             if h is not None:
-                t = h.tensor if h.tensor is not None else h.tref()
-                if t is not None and t._version != h.version:
-                    h.dirty = t._version
-
-    def _check_tensor(self, rec: Record, t: torch.Tensor) -> None:
-        for ref in rec.handles:
-            h = ref()
-            if h is not None and h.tref() is t and t._version != h.version:
-                h.dirty = t._version
+                now = h.current_version()
+                if now is not None and now != h.version:
+                    h.dirty = now

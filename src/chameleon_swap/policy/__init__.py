@@ -1,15 +1,18 @@
 """Policies decide what moves and when; the executor carries it out.
 
 Every policy implements ``begin_step``, ``make_room(rec)`` (forward: room for a new record),
-``after_save(rec)``, ``on_unpack(rec)``, ``on_backward_trigger()``, ``make_room_backward(rec)``
-and ``end_step``. The guard is the default and the safety net under the others.
+``after_save(rec)``, ``on_first_use(rec)``, ``on_unpack(rec)``, ``on_backward_trigger()``,
+``make_room_backward(rec)``, ``wants_detail()``, ``end_step(profile)`` and ``report()``.
+The guard is the safety net under the others.
 """
 from __future__ import annotations
 
 from .guard import GuardPolicy
+from .planned import ChameleonPolicy, StaticPolicy
 
-POLICIES = {"guard": GuardPolicy}
+POLICIES = {"guard": GuardPolicy, "chameleon": ChameleonPolicy, "static": StaticPolicy}
 
 
-def make_policy(name: str, executor):
-    return POLICIES[name](executor)
+def make_policy(name: str, executor, **kwargs):
+    cls = POLICIES[name]
+    return cls(executor, **kwargs) if cls is not GuardPolicy else cls(executor)

@@ -34,8 +34,14 @@ class GuardPolicy:
         self._back_moves = -1
         self._largest = 0
 
-    def end_step(self) -> None:
+    def end_step(self, profile=None) -> None:
         pass
+
+    def wants_detail(self) -> bool:
+        return False                       # the guard needs no timings
+
+    def report(self) -> dict:
+        return {"plan_source": "guard", "predicted_stall_seconds": None, "plan_overrides": 0}
 
     # ------------------------------------------------------------------ forward
     def make_room(self, rec: Record) -> None:
@@ -72,6 +78,9 @@ class GuardPolicy:
                     staying -= rec.nbytes
 
     # ------------------------------------------------------------------ backward
+    def on_first_use(self, rec: Record) -> None:
+        pass
+
     def on_unpack(self, rec: Record) -> None:
         self._prefetch()
 

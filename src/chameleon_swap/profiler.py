@@ -1,0 +1,195 @@
+"""The online profiler: on in every step, cheap; detailed (timed) only when a plan must be made.
+
+Lightweight mode (every step) turns module calls and saved tensors into event ids
+(``sequence.EventVocab``), gives every new saved storage a ``TensorKey`` and records the order in
+which backward first needs each one. That is enough for the step's exact signature, its similarity
+to earlier steps, fuzzy matching, and a plan from estimated slot times.
+
+Detailed mode adds a timestamp at every save and every first use: ``time.perf_counter`` on the
+CPU, CUDA events on the compute stream otherwise (read at step end, after the engine's end-of-step
+synchronization, so nothing inside the step waits for the device).
+
+A *slot* is the compute between two timestamps (see ``timeline``): forward slot ``i`` ends with the
+save of record ``i``; slot ``n_forward`` runs from the last save to the first use in backward; then
+one slot per first use; the last slot runs to the end of the step.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .sequence import EventVocab, TensorKey, signature, size_class
+
+
+@dataclass
+class StepProfile:
+    """What the profiler learnt from one step (input of the planner)."""
+
+    ids: list[int]                     # event ids, in order (module calls and saves)
+    signature: str
+    keys: list[TensorKey]              # per record (span), in save order
+    nbytes: list[int]
+    use_slot: list[int]                # per record: slot at whose start backward first needs it
+    compute: list[float]               # seconds per slot (measured when detailed, else estimated)
+    n_forward: int
+    detailed: bool
+    step_seconds: float = 0.0
+    profiler_seconds: float = 0.0      # host time spent in the profiler during the step
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def n_slots(self) -> int:
+        return len(self.compute)
+
+    def to_timeline(self, d2h_bytes_per_s: float, h2d_bytes_per_s: float):
+        from .timeline import Profile, Span
+        spans = tuple(Span(nbytes=b, save=i, use=u) for i, (b, u) in
+                      enumerate(zip(self.nbytes, self.use_slot)))
+        return Profile(compute=tuple(self.compute), n_forward=self.n_forward, spans=spans,
+                       d2h_bytes_per_s=d2h_bytes_per_s, h2d_bytes_per_s=h2d_bytes_per_s)
+
+
+_DTYPE_NAMES: dict = {}
+
+
+class _CpuClock:
+    def mark(self):
+        return time.perf_counter()
+
+    def seconds(self, marks: list) -> list[float]:
+        return list(marks)
+
+
+class _CudaClock:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def mark(self):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def seconds(self, marks: list) -> list[float]:
+        # Called after the step's final synchronization: every event has completed.
+        if not marks:
+            return []
+        first = marks[0]
+        return [first.elapsed_time(m) / 1e3 for m in marks]
+
+
+class Profiler:
+    def __init__(self, device: torch.device) -> None:
+        self.vocab = EventVocab()
+        self._uids: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self._clock = _CudaClock(device) if device.type == "cuda" else _CpuClock()
+        self.detailed = False
+        self.last_profile: Optional[StepProfile] = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.ids: list[int] = []
+        self.keys: list[TensorKey] = []
+        self.nbytes: list[int] = []
+        self.used: list[int] = []              # record indices in order of first use
+        self._stack: list[list] = []           # [uid, call, saves so far] per running module
+        self._calls: dict[int, int] = {}
+        self._marks: list = []                 # detailed: start, each save, each first use, end
+        self._use_marks: list = []
+        self._seconds = 0.0
+        self._t0 = 0.0
+
+    # ------------------------------------------------------------------ step boundaries
+    def begin_step(self, detailed: bool) -> None:
+        self._reset()
+        self.detailed = detailed
+        self._t0 = time.perf_counter()
+        if detailed:
+            self._marks.append(self._clock.mark())
+
+    def finish(self, step_seconds: float) -> StepProfile:
+        t = time.perf_counter()
+        n = len(self.nbytes)
+        rank = {rec: r for r, rec in enumerate(self.used)}
+        n_used = len(self.used)
+        n_slots = n + 1 + n_used
+        use_slot = [n + 1 + rank[i] if i in rank else n_slots for i in range(n)]
+        if self.detailed and n:
+            self._marks.append(self._clock.mark())   # end of the step (already synchronized)
+            times = self._clock.seconds(self._marks[:1 + n] + self._use_marks + self._marks[-1:])
+            compute = [max(0.0, b - a) for a, b in zip(times, times[1:])]
+        else:
+            compute = self._estimate(n, step_seconds)
+        self._seconds += time.perf_counter() - t
+        self.last_profile = StepProfile(ids=self.ids, signature=signature(self.ids), keys=self.keys,
+                           nbytes=self.nbytes, use_slot=use_slot, compute=compute, n_forward=n,
+                           detailed=self.detailed and n > 0, step_seconds=step_seconds,
+                           profiler_seconds=self._seconds)
+        return self.last_profile
+
+    def _estimate(self, n: int, step_seconds: float) -> list[float]:
+        """Slot times from limited information: work proportional to the bytes a slot saves in
+        forward and twice that for the backward slot that first uses them, scaled to the step's
+        measured wall time."""
+        if n == 0:
+            return [step_seconds]
+        fwd = [float(b) for b in self.nbytes]
+        back = [2.0 * self.nbytes[i] for i in self.used]
+        weights = fwd + [0.0] + back + [0.0]
+        weights = weights[:n + 1 + len(self.used)]
+        total = sum(weights) or 1.0
+        return [step_seconds * w / total for w in weights]
+
+    # ------------------------------------------------------------------ events
+    def module_enter(self, module: torch.nn.Module) -> None:
+        t = time.perf_counter()
+        uid = self._uids.get(module)
+        if uid is None:
+            uid = self._uids[module] = len(self._uids)
+        call = self._calls.get(uid, 0)
+        self._stack.append([uid, call, 0])
+        if torch.is_grad_enabled():       # calls under no_grad save nothing: not in the sequence
+            self._calls[uid] = call + 1
+            self.ids.append(self.vocab.id(("m", uid, call)))
+        self._seconds += time.perf_counter() - t
+
+    def module_exit(self, module: torch.nn.Module) -> None:
+        if self._stack:
+            self._stack.pop()
+
+    def on_save(self, t: torch.Tensor, new_record: bool) -> Optional[TensorKey]:
+        """A tensor was packed. Returns the key when it started a new record (span)."""
+        t0 = time.perf_counter()
+        if self._stack:
+            frame = self._stack[-1]
+            uid, call, ordinal = frame
+            frame[2] += 1
+        else:
+            uid, call, ordinal = -1, 0, len(self.ids)
+        dtype = _DTYPE_NAMES.get(t.dtype) or _DTYPE_NAMES.setdefault(t.dtype, str(t.dtype))
+        nbytes = t.untyped_storage().nbytes()
+        self.ids.append(self.vocab.id(("s", uid, call, ordinal, dtype, size_class(nbytes), new_record)))
+        key = None
+        if new_record:
+            key = TensorKey(uid, call, ordinal, dtype, tuple(t.shape))
+            self.keys.append(key)
+            self.nbytes.append(nbytes)
+            if self.detailed:
+                self._marks.append(self._clock.mark())
+        self._seconds += time.perf_counter() - t0
+        return key
+
+    def on_first_use(self, index: int) -> None:
+        """Backward needs record ``index`` for the first time this step."""
+        t0 = time.perf_counter()
+        self.used.append(index)
+        if self.detailed:
+            self._use_marks.append(self._clock.mark())
+        self._seconds += time.perf_counter() - t0
+
+    @property
+    def seconds(self) -> float:
+        return self._seconds

@@ -1,0 +1,590 @@
+"""Unit tests of the copy layer on CPU: ``HostPool``, ``CpuCopyEngine``, ``make_copy_engine`` and the
+bandwidth helpers.
+
+The CPU copy engine is what every CPU test of the engine runs on, and it is built to make ordering
+and lifetime bugs visible (worker threads, weak references, optional delays), so its own contract
+is checked here directly: bytes round-trip, a fetch waits for the copy-out it depends on, deferred
+callbacks run only from ``poll()`` once their copy is done, a source freed too early is an error and
+never garbage, and the worker threads stop.
+"""
+from __future__ import annotations
+
+import gc
+import math
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+
+import chameleon_swap as cs
+from chameleon_swap.copy import bandwidth, make_copy_engine
+from chameleon_swap.copy.cpu import CpuCopyEngine, CpuTicket
+from chameleon_swap.copy.host_pool import HostBuffer, HostMemoryError, HostPool, size_class
+
+KiB = 2**10
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def eng():
+    e = CpuCopyEngine(delay_s=0.0)
+    yield e
+    e.close()
+
+
+def random_bytes(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+# =========================================================================== HostPool
+@pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096])
+def test_size_class_minimum_is_4kib(nbytes):
+    assert size_class(nbytes) == 4096
+
+
+def test_size_class_bounds_waste_and_has_four_classes_per_power_of_two():
+    for n in list(range(4097, 70_000, 97)) + [2**20 + 1, 3 * 2**20, 2**30 - 1, 2**30]:
+        c = size_class(n)
+        assert c >= n, (n, c)
+        assert c <= n * 1.25, (n, c)                 # at most 25% waste
+        assert size_class(c) == c                    # a class is its own class
+    for k in range(13, 24):
+        classes = {size_class(n) for n in range(2**k + 1, 2**(k + 1) + 1, max(1, 2**k // 64))}
+        assert classes == {2**(k + 1) * i // 8 for i in (5, 6, 7, 8)}, (k, sorted(classes))
+    # Monotone: a larger request never gets a smaller buffer.
+    prev = 0
+    for n in range(0, 300_000, 113):
+        assert size_class(n) >= prev
+        prev = size_class(n)
+
+
+def test_acquire_gives_a_uint8_buffer_of_its_class_and_a_prefix_view():
+    pool = HostPool(1 << 20, pin=False)
+    buf = pool.acquire(5000)
+    assert isinstance(buf, HostBuffer)
+    assert buf.capacity == size_class(5000) == 5120
+    assert buf.tensor.dtype == torch.uint8 and buf.tensor.device.type == "cpu"
+    assert not buf.tensor.is_pinned()
+    v = buf.view(5000)
+    assert v.numel() == 5000 and v.data_ptr() == buf.tensor.data_ptr()
+    assert pool.in_use_bytes == 5120 and pool.cached_bytes == 0 and pool.allocations == 1
+
+
+def test_released_buffers_are_reused_by_size_class():
+    pool = HostPool(1 << 20, pin=False)
+    a = pool.acquire(5000)
+    ptr = a.tensor.data_ptr()
+    pool.release(a)
+    assert pool.in_use_bytes == 0 and pool.cached_bytes == 5120
+    b = pool.acquire(5100)                           # same class (5120): the cached buffer
+    assert b is a and b.tensor.data_ptr() == ptr
+    assert pool.allocations == 1
+    assert pool.in_use_bytes == 5120 and pool.cached_bytes == 0
+    c = pool.acquire(5000)                           # the class's only buffer is in use: fresh
+    assert c is not a and pool.allocations == 2
+    d = pool.acquire(7000)                           # another class: fresh
+    assert d.capacity == 7168 and pool.allocations == 3
+
+
+def test_many_rounds_of_the_same_requests_allocate_once():
+    pool = HostPool(1 << 22, pin=False)
+    sizes = [4096, 5000, 70_000, 70_000, 123_456, 9]
+    for round_ in range(5):
+        bufs = [pool.acquire(n) for n in sizes]
+        for b in reversed(bufs):
+            pool.release(b)
+        assert pool.allocations == len(sizes), round_
+        assert pool.in_use_bytes == 0
+        assert pool.cached_bytes == sum(size_class(n) for n in sizes)
+
+
+def test_counters_in_use_cached_reserved_and_peak():
+    pool = HostPool(1 << 20, pin=False)
+    a, b = pool.acquire(4096), pool.acquire(10_000)
+    cb = size_class(10_000)
+    assert pool.in_use_bytes == 4096 + cb
+    assert pool.peak_in_use_bytes == 4096 + cb
+    pool.release(a)
+    assert pool.in_use_bytes == cb and pool.cached_bytes == 4096
+    assert pool.reserved_bytes == cb + 4096
+    assert pool.peak_in_use_bytes == 4096 + cb      # a peak does not go down
+    pool.release(b)
+    assert pool.in_use_bytes == 0 and pool.reserved_bytes == pool.cached_bytes == 4096 + cb
+    pool.acquire(4096)
+    assert pool.peak_in_use_bytes == 4096 + cb
+
+
+def test_limit_raises_host_memory_error_naming_host_memory_limit():
+    pool = HostPool(3 * 4096, pin=False)
+    held = [pool.acquire(4096) for _ in range(3)]
+    with pytest.raises(HostMemoryError, match="host_memory_limit") as exc:
+        pool.acquire(1)
+    msg = str(exc.value)
+    assert "12.00 KiB" in msg                        # the limit, in readable units
+    assert "Raise host_memory_limit" in msg          # and what to do about it
+    assert isinstance(exc.value, RuntimeError)
+    assert cs.HostMemoryError is HostMemoryError     # exported at the top level
+    # A refused request changes nothing.
+    assert pool.in_use_bytes == 3 * 4096 and pool.allocations == 3
+    pool.release(held.pop())
+    pool.acquire(1)                                  # room again: served from the cache
+    assert pool.allocations == 3
+
+
+def test_a_single_request_over_the_limit_raises_even_when_empty():
+    pool = HostPool(10 * KiB, pin=False)
+    with pytest.raises(HostMemoryError, match="host_memory_limit"):
+        pool.acquire(11 * KiB)
+    assert pool.in_use_bytes == 0 and pool.reserved_bytes == 0 and pool.allocations == 0
+
+
+def test_cached_buffers_are_dropped_to_stay_within_the_limit():
+    pool = HostPool(16 * KiB, pin=False)
+    big = pool.acquire(8 * KiB)
+    pool.release(big)
+    assert pool.cached_bytes == 8 * KiB
+    small = [pool.acquire(4 * KiB) for _ in range(3)]  # 12 KiB in use + 8 KiB cached > 16 KiB
+    assert pool.in_use_bytes == 12 * KiB
+    assert pool.reserved_bytes <= pool.limit_bytes
+    assert pool.cached_bytes == 0                    # the 8 KiB buffer went back to the system
+    for b in small:
+        pool.release(b)
+    assert pool.reserved_bytes <= pool.limit_bytes
+    # A request that only fits once the cache is trimmed is served, not refused.
+    pool2 = HostPool(16 * KiB, pin=False)
+    bufs = [pool2.acquire(4 * KiB) for _ in range(4)]
+    for b in bufs:
+        pool2.release(b)
+    assert pool2.cached_bytes == 16 * KiB
+    b16 = pool2.acquire(16 * KiB)
+    assert b16.capacity == 16 * KiB and pool2.reserved_bytes == 16 * KiB
+
+
+def test_reserved_never_exceeds_the_limit_under_a_random_workload():
+    g = torch.Generator().manual_seed(1)
+    limit = 256 * KiB
+    pool = HostPool(limit, pin=False)
+    held = []
+    for _ in range(2000):
+        if held and torch.rand((), generator=g) < 0.45:
+            pool.release(held.pop(int(torch.randint(len(held), (), generator=g))))
+        else:
+            n = int(torch.randint(1, 40 * KiB, (), generator=g))
+            try:
+                held.append(pool.acquire(n))
+            except HostMemoryError:
+                assert pool.in_use_bytes + size_class(n) > limit
+        assert pool.reserved_bytes <= limit
+        assert pool.in_use_bytes == sum(b.capacity for b in held)
+        assert pool.peak_in_use_bytes <= limit
+
+
+def test_clear_drops_cached_buffers_only():
+    pool = HostPool(1 << 20, pin=False)
+    a, b, c = pool.acquire(4096), pool.acquire(8192), pool.acquire(20_000)
+    pool.release(a)
+    pool.release(b)
+    pool.clear()
+    assert pool.cached_bytes == 0
+    assert pool.in_use_bytes == c.capacity           # buffers in use are untouched
+    before = pool.allocations
+    pool.acquire(4096)
+    assert pool.allocations == before + 1            # nothing cached any more
+    pool.release(c)
+    pool.clear()
+    assert pool.cached_bytes == 0
+
+
+def test_pool_is_consistent_under_concurrent_acquire_and_release():
+    pool = HostPool(64 * 2**20, pin=False)
+    errors = []
+
+    def work(seed):
+        try:
+            g = torch.Generator().manual_seed(seed)
+            for _ in range(300):
+                n = int(torch.randint(1, 64 * KiB, (), generator=g))
+                pool.release(pool.acquire(n))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert pool.in_use_bytes == 0
+    assert pool.cached_bytes == sum(sum(b.capacity for b in bufs) for bufs in pool._free.values())
+
+
+# =========================================================================== CpuCopyEngine
+def test_make_copy_engine_cpu():
+    e = make_copy_engine(torch.device("cpu"))
+    try:
+        assert isinstance(e, CpuCopyEngine)
+        assert e.device == torch.device("cpu")
+        assert e.record_ready() is None              # CPU compute is synchronous
+    finally:
+        e.close()
+    e = make_copy_engine(torch.device("cpu"), delay_s=0.01)   # kwargs reach the CPU engine
+    try:
+        assert e.delay_s == 0.01
+    finally:
+        e.close()
+    with pytest.raises(ValueError, match="'cpu' or 'cuda'"):
+        make_copy_engine(torch.device("meta"))
+
+
+def test_delay_from_environment_and_explicit_override(monkeypatch):
+    monkeypatch.setenv("CHAMELEON_SWAP_TEST_COPY_DELAY", "0.004")
+    e = CpuCopyEngine()
+    try:
+        assert e.delay_s == 0.004
+        assert e._d2h.delay_s == e._h2d.delay_s == 0.004
+    finally:
+        e.close()
+    e = CpuCopyEngine(delay_s=0.0)
+    try:
+        assert e.delay_s == 0.0
+    finally:
+        e.close()
+    monkeypatch.setenv("CHAMELEON_SWAP_TEST_COPY_DELAY", "")
+    e = CpuCopyEngine()
+    try:
+        assert e.delay_s == 0.0
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("n", [1, 4096, 100_003])
+def test_offload_fetch_round_trip_of_random_bytes(eng, n):
+    src = random_bytes(n, seed=n)
+    expect = src.clone()
+    host = torch.zeros(n, dtype=torch.uint8)
+    t_out = eng.offload(src, host, None)
+    eng.wait_host(t_out)
+    assert t_out.done() and t_out.error is None
+    assert torch.equal(host, expect)
+    back, t_in = eng.fetch(host, t_out)
+    assert back.dtype == torch.uint8 and back.shape == (n,) and back.data_ptr() != host.data_ptr()
+    eng.wait(t_in)
+    assert torch.equal(back, expect)
+    eng.synchronize()
+    assert len(eng._deferred) == 0
+
+
+def test_fetch_after_an_offload_ticket_is_ordered_after_it_even_when_the_offload_is_slow():
+    e = CpuCopyEngine(delay_s=0.0)
+    try:
+        e._d2h.delay_s = 0.1                         # only copies out are slow
+        src = random_bytes(50_000, seed=3)
+        host = torch.zeros(50_000, dtype=torch.uint8)
+        t_out = e.offload(src, host, None)
+        back, t_in = e.fetch(host, t_out)            # issued before the copy out even started
+        assert not t_out.done()
+        e.wait(t_in)
+        assert t_out.done()                          # the copy back waited for the copy out
+        assert torch.equal(back, src)                # so it read the final bytes, not zeros
+    finally:
+        e.close()
+
+
+def test_fetch_does_not_run_before_its_after_ticket_is_done(eng):
+    gate = CpuTicket()
+    host = random_bytes(1000, seed=4)
+    back, t_in = eng.fetch(host, gate)
+    time.sleep(0.05)
+    assert not t_in.done()                           # blocked on the gate
+    gate._finish()
+    eng.wait(t_in)
+    assert torch.equal(back, host)
+
+
+def test_fetch_after_a_failed_copy_fails_too(eng):
+    gate = CpuTicket()
+    gate._finish("disk on fire")
+    back, t_in = eng.fetch(random_bytes(10), gate)
+    with pytest.raises(RuntimeError, match="depends on a failed copy: disk on fire"):
+        eng.wait(t_in)
+
+
+def test_wait_returns_whether_the_copy_was_late_and_counts_the_stall():
+    e = CpuCopyEngine(delay_s=0.05)
+    try:
+        assert e.take_stall_seconds() == 0.0
+        back, t = e.fetch(random_bytes(100), None)
+        assert e.wait(t) is True                     # not done when asked: late
+        stall = e.take_stall_seconds()
+        assert 0.02 < stall < 5.0
+        assert e.take_stall_seconds() == 0.0         # taking resets the counter
+        assert e.wait(t) is False                    # done already: on time, no stall
+        assert e.take_stall_seconds() == 0.0
+    finally:
+        e.close()
+
+
+def test_wait_host_blocks_until_done_and_returns_the_wait():
+    e = CpuCopyEngine(delay_s=0.05)
+    try:
+        src = random_bytes(5000, seed=5)
+        host = torch.zeros(5000, dtype=torch.uint8)
+        t = e.offload(src, host, None)
+        dt = e.wait_host(t)
+        assert t.done() and torch.equal(host, src)
+        assert isinstance(dt, float) and 0.02 < dt < 5.0
+        assert e.take_stall_seconds() >= dt
+        assert e.wait_host(t) < 0.02                 # already done
+    finally:
+        e.close()
+
+
+def test_copy_errors_surface_at_wait_and_wait_host(eng):
+    src = random_bytes(100)
+    too_small = torch.zeros(10, dtype=torch.uint8)   # copy_ cannot broadcast 100 into 10
+    t = eng.offload(src, too_small, None)
+    with pytest.raises(RuntimeError, match="chameleon-swap copy failed"):
+        eng.wait_host(t)
+    with pytest.raises(RuntimeError, match="chameleon-swap copy failed"):
+        eng.wait(t)
+
+
+def test_defer_runs_callbacks_from_poll_only_once_the_ticket_is_done(eng):
+    gate = CpuTicket()
+    back, t = eng.fetch(random_bytes(64), gate)
+    calls = []
+    eng.defer(t, lambda: calls.append(threading.current_thread()))
+    eng.poll()
+    assert calls == []                               # not done: nothing runs
+    gate._finish()
+    t._block()
+    assert calls == []                               # done, but callbacks run only from poll()
+    eng.poll()
+    assert calls == [threading.current_thread()]     # on the polling thread
+    eng.poll()
+    assert len(calls) == 1                           # once
+
+
+def test_defer_keeps_an_object_alive_until_done_and_polled(eng):
+    gate = CpuTicket()
+    _, t = eng.fetch(random_bytes(64), gate)
+    keep = torch.ones(10)
+    ref = weakref.ref(keep)
+    eng.defer(t, keep=keep)
+    del keep
+    gc.collect()
+    assert ref() is not None                         # held while the copy is pending
+    eng.poll()
+    assert ref() is not None
+    gate._finish()
+    t._block()
+    eng.poll()
+    gc.collect()
+    assert ref() is None                             # dropped by the first poll after completion
+
+
+def test_poll_reaps_out_of_order_completions_and_batches():
+    e = CpuCopyEngine(delay_s=0.0)
+    try:
+        e._d2h.delay_s = 0.3                         # copy out slow, copy back fast
+        slow = e.offload(random_bytes(64), torch.zeros(64, dtype=torch.uint8), None)
+        done = []
+        e.defer(slow, lambda: done.append("slow"))
+        fast = []
+        for i in range(5):
+            _, t = e.fetch(random_bytes(64, seed=i), None)
+            e.defer(t, lambda i=i: fast.append(i))
+        # Wait for the fast ones only.
+        for entry in list(e._deferred):
+            if entry[0] is not slow:
+                entry[0]._block()
+        e.poll()
+        assert fast == [0, 1, 2, 3, 4]               # all reaped by one poll, in issue order
+        assert done == []                            # the slow one did not block them, nor ran
+        e.synchronize()
+        assert done == ["slow"]
+    finally:
+        e.close()
+
+
+def test_a_callback_may_defer_more_work(eng):
+    _, t1 = eng.fetch(random_bytes(8), None)
+    _, t2 = eng.fetch(random_bytes(8), None)
+    order = []
+    eng.defer(t1, lambda: (order.append(1), eng.defer(t2, lambda: order.append(2))))
+    eng.synchronize()
+    eng.poll()
+    assert order == [1, 2]
+    assert len(eng._deferred) == 0
+
+
+def test_offload_keeps_its_source_alive_until_the_copy_is_done():
+    e = CpuCopyEngine(delay_s=0.1)
+    try:
+        src = random_bytes(10_000, seed=6)
+        expect = src.clone()
+        host = torch.zeros(10_000, dtype=torch.uint8)
+        ref = weakref.ref(src)
+        t = e.offload(src, host, None)
+        del src                                      # the caller lets go at once
+        gc.collect()
+        assert ref() is not None                     # the engine holds it (deferred free)
+        e.wait_host(t)
+        assert torch.equal(host, expect)
+        e.poll()
+        gc.collect()
+        assert ref() is None                         # and lets go once the copy is done
+    finally:
+        e.close()
+
+
+def test_a_source_freed_before_its_copy_ran_is_a_clear_error_not_garbage():
+    e = CpuCopyEngine(delay_s=0.0)
+    try:
+        e._d2h.delay_s = 0.3
+        src = random_bytes(4096, seed=7)
+        host = torch.full((4096,), 7, dtype=torch.uint8)
+        t = e.offload(src, host, None)
+        e._deferred.clear()                          # simulate a lost keep-alive
+        del src
+        gc.collect()
+        with pytest.raises(RuntimeError, match="source was freed before its copy ran"):
+            e.wait_host(t)
+        assert torch.equal(host, torch.full((4096,), 7, dtype=torch.uint8))  # untouched
+        back, t2 = e.fetch(host, t)                  # and what depends on it fails too
+        with pytest.raises(RuntimeError, match="depends on a failed copy"):
+            e.wait(t2)
+        # Same on the copy back: a host source that vanished is an error at wait().
+        gate = CpuTicket()
+        hsrc = random_bytes(128)
+        back, t3 = e.fetch(hsrc, gate)
+        e._deferred.clear()
+        del hsrc
+        gc.collect()
+        gate._finish()
+        with pytest.raises(RuntimeError, match="source was freed before its copy ran"):
+            e.wait(t3)
+    finally:
+        e.close()
+
+
+def test_synchronize_waits_for_everything_and_runs_callbacks():
+    e = CpuCopyEngine(delay_s=0.005)
+    try:
+        srcs = [random_bytes(2000, seed=i) for i in range(8)]
+        hosts = [torch.zeros(2000, dtype=torch.uint8) for _ in srcs]
+        tickets = [e.offload(s, h, None) for s, h in zip(srcs, hosts)]
+        fetched = [e.fetch(h, t) for h, t in zip(hosts, tickets)]
+        ran = []
+        for i, t in enumerate(tickets):
+            e.defer(t, lambda i=i: ran.append(i))
+        e.synchronize()
+        assert all(t.done() for t in tickets) and all(t.done() for _, t in fetched)
+        assert sorted(ran) == list(range(8))
+        assert len(e._deferred) == 0
+        for s, (back, _) in zip(srcs, fetched):
+            assert torch.equal(back, s)
+    finally:
+        e.close()
+
+
+def test_close_finishes_pending_copies_and_stops_the_workers():
+    e = CpuCopyEngine(delay_s=0.02)
+    workers = (e._d2h, e._h2d)
+    assert all(w.is_alive() for w in workers)
+    src = random_bytes(1000)
+    host = torch.zeros(1000, dtype=torch.uint8)
+    t = e.offload(src, host, None)
+    e.close()
+    assert t.done() and torch.equal(host, src)
+    for w in workers:
+        w.join(timeout=5)
+    assert not any(w.is_alive() for w in workers)
+
+
+def test_workers_stop_when_the_engine_is_garbage_collected():
+    e = CpuCopyEngine(delay_s=0.0)
+    workers = (e._d2h, e._h2d)
+    assert all(w.is_alive() for w in workers)
+    del e
+    gc.collect()
+    for w in workers:
+        w.join(timeout=5)
+    assert not any(w.is_alive() for w in workers)
+
+
+# =========================================================================== bandwidth
+def test_measure_bandwidth_cpu_small():
+    r = bandwidth.measure_bandwidth("cpu", nbytes=64 * KiB, repeats=3)
+    assert isinstance(r, bandwidth.BandwidthResult)
+    assert r.device == "cpu" and r.method == "cpu-memcpy" and r.pinned is False
+    assert r.nbytes == 64 * KiB and r.repeats == 3
+    for v in (r.h2d_bytes_per_s, r.d2h_bytes_per_s):
+        assert isinstance(v, float) and math.isfinite(v) and v > 0
+    r1 = bandwidth.measure_bandwidth(torch.device("cpu"), nbytes=1, repeats=1)
+    assert math.isfinite(r1.h2d_bytes_per_s) and r1.h2d_bytes_per_s > 0   # timer floor, no /0
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(nbytes=0), ValueError, "nbytes"),
+    (dict(nbytes=True), TypeError, "nbytes"),
+    (dict(nbytes=1.5), TypeError, "nbytes"),
+    (dict(repeats=0), ValueError, "repeats"),
+    (dict(repeats=False), TypeError, "repeats"),
+])
+def test_measure_bandwidth_rejects_bad_arguments(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        bandwidth.measure_bandwidth("cpu", **{"nbytes": 1024, **kwargs})
+
+
+def test_resolve_device():
+    assert bandwidth.resolve_device("cpu") == torch.device("cpu")
+    assert bandwidth.resolve_device(torch.device("cpu")) == torch.device("cpu")
+    assert bandwidth.resolve_device("cpu:0") == torch.device("cpu")
+    with pytest.raises(TypeError, match="dev"):
+        bandwidth.resolve_device(0, "dev")
+    with pytest.raises(ValueError, match="dev must be 'cpu' or 'cuda"):
+        bandwidth.resolve_device("meta", "dev")
+    with pytest.raises(ValueError, match="could not parse"):
+        bandwidth.resolve_device("not a device")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            bandwidth.resolve_device("cuda")
+
+
+def test_cached_bandwidth_measures_once_per_device(monkeypatch):
+    calls = []
+    real = bandwidth.measure_bandwidth
+
+    def small(device, nbytes=bandwidth.DEFAULT_NBYTES, repeats=bandwidth.DEFAULT_REPEATS):
+        calls.append(device)
+        return real(device, nbytes=16 * KiB, repeats=1)
+
+    monkeypatch.setattr(bandwidth, "measure_bandwidth", small)
+    bandwidth.clear_bandwidth_cache()
+    try:
+        a = bandwidth.cached_bandwidth("cpu")
+        b = bandwidth.cached_bandwidth(torch.device("cpu"))
+        assert a is b and len(calls) == 1
+        bandwidth.clear_bandwidth_cache()
+        c = bandwidth.cached_bandwidth("cpu")
+        assert c is not a and len(calls) == 2
+    finally:
+        bandwidth.clear_bandwidth_cache()
+
+
+def test_pinned_memory_status_without_cuda():
+    ok, why = bandwidth.pinned_memory_status()
+    assert isinstance(ok, bool) and isinstance(why, str) and why
+    if not torch.cuda.is_available():
+        assert ok is False and "no CUDA" in why

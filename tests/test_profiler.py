@@ -1,0 +1,130 @@
+"""The always-on profiler through the engine: signatures, change detection, profiles, cost."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import chameleon_swap as cs
+from chameleon_swap.workloads import Llama, LlamaConfig
+
+TINY = dict(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=64)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def batch(B, T, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(TINY["vocab_size"], (B, T + 1), generator=g)
+    return t[:, :-1], t[:, 1:]
+
+
+def run(eng, model, b, train=True):
+    with eng.step():
+        if train:
+            model(*b).backward()
+        else:
+            with torch.no_grad():
+                model(*b)
+    return eng.last_step
+
+
+def llama():
+    torch.manual_seed(0)
+    return Llama(LlamaConfig(**TINY))
+
+
+def test_identical_steps_never_flag_and_share_a_signature():
+    model = llama()
+    with cs.Chameleon(None, device="cpu") as eng:
+        stats = [run(eng, model, batch(2, 16)) for _ in range(5)]
+    assert [s.sequence_changed for s in stats] == [False] * 5
+    assert len({s.signature for s in stats}) == 1
+    assert all(s.profiler_seconds > 0 for s in stats)
+    assert all(s.profiler_seconds < s.step_seconds for s in stats)
+
+
+@pytest.mark.parametrize("change", ["length", "micro_batch"])
+def test_shape_changes_flag(change):
+    model = llama()
+    other = batch(2, 40) if change == "length" else batch(5, 16)
+    with cs.Chameleon(None, device="cpu") as eng:
+        a = [run(eng, model, batch(2, 16)) for _ in range(2)]
+        b = run(eng, model, other)
+        c = run(eng, model, other)
+        d = run(eng, model, batch(2, 16))
+    assert not a[1].sequence_changed
+    assert b.sequence_changed and b.signature != a[1].signature
+    assert not c.sequence_changed and c.signature == b.signature
+    assert d.sequence_changed and d.signature == a[0].signature
+
+
+def test_a_tiny_length_change_is_the_same_sequence():
+    """Lengths a few percent apart share size classes: same signature, no change (the plan is
+    reused as is)."""
+    model = llama()
+    with cs.Chameleon(None, device="cpu") as eng:
+        a = run(eng, model, batch(2, 60))
+        b = run(eng, model, batch(2, 61))
+    assert not b.sequence_changed
+
+
+def test_skipped_layer_flags():
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**TINY))
+    full = list(model.layers)
+    with cs.Chameleon(None, device="cpu") as eng:
+        a = run(eng, model, batch(2, 16))
+        model.layers = nn.ModuleList([full[0], full[2]])      # layer 1 dropped this step
+        b = run(eng, model, batch(2, 16))
+        model.layers = nn.ModuleList(full)
+        c = run(eng, model, batch(2, 16))
+    assert b.sequence_changed and c.sequence_changed
+    assert c.signature == a.signature
+
+
+def test_no_grad_eval_step_is_not_a_change():
+    model = llama()
+    with cs.Chameleon(None, device="cpu") as eng:
+        a = run(eng, model, batch(2, 16))
+        e = run(eng, model, batch(2, 16), train=False)        # eval in the middle
+        b = run(eng, model, batch(2, 16))
+    assert e.saved_bytes == 0 and not e.sequence_changed
+    assert not b.sequence_changed and b.signature == a.signature
+
+
+def test_detailed_profile_has_one_slot_per_save_and_first_use():
+    model = llama()
+    with cs.Chameleon(10**12, device="cpu", policy="chameleon", min_tensor_bytes=0) as eng:
+        s0 = run(eng, model, batch(2, 16))
+        prof = eng._profiler.last_profile
+    assert s0.profile_mode == "detailed"
+    n = prof.n_forward
+    assert n == len(prof.keys) == len(prof.nbytes) > 0
+    assert sum(prof.nbytes) == s0.saved_bytes
+    used = [u for u in prof.use_slot if u < prof.n_slots]
+    assert sorted(used) == list(range(n + 1, n + 1 + len(used)))   # one slot per first use
+    assert len(used) == n                                           # backward used every record
+    assert all(c >= 0 for c in prof.compute)
+    # Timed slots sum to about the step (the rest is engine time outside the first/last mark).
+    assert 0 < sum(prof.compute) <= s0.step_seconds
+
+
+def test_keys_are_stable_across_iterations_and_tolerate_lengths():
+    model = llama()
+    with cs.Chameleon(None, device="cpu", min_tensor_bytes=0) as eng:
+        run(eng, model, batch(2, 16))
+        k1 = eng._profiler.last_profile.keys
+        run(eng, model, batch(2, 16))
+        k2 = eng._profiler.last_profile.keys
+        run(eng, model, batch(2, 24))
+        k3 = eng._profiler.last_profile.keys
+    assert k1 == k2
+    assert [k.exact for k in k3] == [k.exact for k in k1]
+    assert any(a.shape != b.shape for a, b in zip(k1, k3))
