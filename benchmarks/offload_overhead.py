@@ -177,6 +177,10 @@ def main(argv=None) -> int:
           f"batch {a.batch} x seq {a.seq}; natural activation peak {cs.format_bytes(natural)}; "
           f"medians of {a.reps} interleaved repetitions; losses bitwise equal across modes: "
           f"{losses_equal}.\n\n"
+          + ("On a CPU device `save_on_cpu` copies nothing (a CPU tensor's `.to('cpu')` is itself), "
+             "so its row is the cost of its hooks only; the engine's CPU copy engine really "
+             "copies, on worker threads, so the ratios are an upper bound on hook + copy cost, "
+             "not a forecast for a GPU.\n\n" if device.type == "cpu" else "")
           + C.markdown_table(["mode", "step ms", "x none", "x save_on_cpu", "budget",
                               "peak resident (engine)", "step peak device", "sync fetches"], rows))
     path = C.write_results("offload_overhead", device, payload, md, a.out)

@@ -1,0 +1,247 @@
+"""Adaptivity: guard vs static (frozen after warm-up) vs chameleon on dynamic operator sequences.
+
+    python benchmarks/adaptive.py [--device cuda] [--steps 24] [--fraction 0.3] [--quick] [--out DIR]
+
+Scenarios (each a seeded schedule of batches, the same for every policy):
+
+* ``lengths``: the Llama-style model, sequence length cycling through four values;
+* ``moe``: the top-2 routed MoE model (routing changes every batch) with two lengths;
+* ``layer_drop``: the Llama-style model with random layers skipped on most steps;
+* ``eval``: a steady length with a no_grad evaluation pass after every third training step.
+
+For every step of a scenario, the plain step (``none``) and the three policies run on the same
+batch, interleaved in rotating order, each policy with its own engine at the same budget
+(``--fraction`` of the natural peak of the scenario's first batch). Reported per policy: median
+step time and its ratio to ``none`` and to ``guard``, stalls, synchronous fetches, plan sources,
+detailed (timed) steps, and the profiler's own time as a share of the step. Every loss is checked
+bit for bit against ``none`` and every step against its budget.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+import chameleon_swap as cs  # noqa: E402
+from chameleon_swap.config import DEFAULT_MIN_TENSOR_BYTES  # noqa: E402
+from chameleon_swap.workloads import Llama, LlamaConfig, MoE, MoEConfig  # noqa: E402
+
+POLICIES = ("guard", "static", "chameleon")
+SCENARIOS = ("lengths", "moe", "layer_drop", "eval")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--steps", type=int, default=None, help="steps per scenario")
+    p.add_argument("--fraction", type=float, default=0.3, help="budget / natural peak")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", type=Path, default=None)
+    a = p.parse_args(argv)
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error("--device cuda was given but torch.cuda.is_available() is False")
+    if not 0 <= a.fraction <= 1:
+        p.error(f"--fraction must be between 0 and 1; got {a.fraction}")
+    a.scenarios = [s.strip() for s in a.scenarios.split(",") if s.strip()]
+    for s in a.scenarios:
+        if s not in SCENARIOS:
+            p.error(f"--scenarios: unknown {s!r}; choose from {', '.join(SCENARIOS)}")
+    cuda = a.device.startswith("cuda")
+    a.size = (dict(dim=1024, layers=8, batch=8, seq=1024) if cuda else
+              dict(dim=128, layers=4, batch=4, seq=128))
+    if a.quick:
+        a.size = dict(dim=64, layers=2, batch=2, seq=32)
+    if a.steps is None:
+        a.steps = 8 if a.quick else (24 if cuda else 16)
+    if a.steps < 2:
+        p.error("--steps must be at least 2")
+    return a
+
+
+def build(scenario: str, size: dict, device: torch.device):
+    heads = max(2, size["dim"] // 64)
+    common = dict(vocab_size=2048, dim=size["dim"], n_layers=size["layers"], n_heads=heads,
+                  n_kv_heads=heads // 2, max_seq_len=2 * size["seq"])
+    torch.manual_seed(0)
+    if scenario == "moe":
+        return MoE(MoEConfig(**common, n_experts=4, top_k=2)).to(device)
+    return Llama(LlamaConfig(**common)).to(device)
+
+
+def schedule(scenario: str, size: dict, steps: int, device: torch.device, vocab: int):
+    """[(tokens, targets, train, keep_layers or None)] for each step."""
+    rng = random.Random(1)
+    g = torch.Generator().manual_seed(2)
+    B, T, L = size["batch"], size["seq"], size["layers"]
+    out = []
+    for i in range(steps):
+        train, keep = True, None
+        if scenario == "lengths":
+            t = [T, T // 2, (3 * T) // 2, (3 * T) // 4][i % 4]
+        elif scenario == "moe":
+            t = [T, T // 2][i % 2]
+        elif scenario == "layer_drop":
+            t = T
+            keep = sorted(rng.sample(range(L), L - 1)) if rng.random() < 0.6 else list(range(L))
+        else:
+            t = T
+            train = i % 4 != 3
+        tok = torch.randint(0, vocab, (B, t + 1), generator=g).to(device)
+        out.append((tok[:, :-1], tok[:, 1:], train, keep))
+    return out
+
+
+def one_step(model, full_layers, item, eng):
+    x, y, train, keep = item
+    if keep is not None:
+        model.layers = nn.ModuleList([full_layers[k] for k in keep])
+    model.zero_grad(set_to_none=True)
+    ctx = eng.step() if eng is not None else _null()
+    with ctx:
+        if train:
+            loss = model(x, y)
+            loss.backward()
+        else:
+            with torch.no_grad():
+                loss = model(x, y)
+    if keep is not None:
+        model.layers = nn.ModuleList(full_layers)
+    return loss.detach()
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def run_scenario(name: str, a, device: torch.device, advance) -> dict:
+    model = build(name, a.size, device)
+    full = list(model.layers)
+    items = schedule(name, a.size, a.steps, device, model.config.vocab_size)
+    with cs.Chameleon(None, device=device) as probe:
+        one_step(model, full, items[0], probe)
+        natural = probe.last_step.peak_resident_bytes
+    budget = int(natural * a.fraction)
+    engines = {p: cs.Chameleon(budget, device=device, policy=p) for p in POLICIES}
+    modes = ["none", *POLICIES]
+    times = {m: [] for m in modes}
+    stats = {p: [] for p in POLICIES}
+    equal = True
+    for i, item in enumerate(items):
+        order = modes[i % len(modes):] + modes[:i % len(modes)]
+        losses = {}
+        for m in order:
+            C.sync(device)
+            t0 = C.now()
+            losses[m] = one_step(model, full, item, engines.get(m))
+            C.sync(device)
+            times[m].append(C.now() - t0)
+            if m in engines:
+                stats[m].append(engines[m].last_step)
+            advance()
+        equal &= all(torch.equal(losses["none"], v) for v in losses.values())
+    for e in engines.values():
+        e.close()
+    train_steps = [i for i, it in enumerate(items) if it[2]]
+    none_med = C.median(times["none"][i] for i in train_steps)
+    guard_med = C.median(times["guard"][i] for i in train_steps)
+    res = {"natural_peak_bytes": natural, "budget_bytes": budget,
+           "losses_bitwise_equal": bool(equal), "none_median_step_s": none_med, "policies": {}}
+    for p in POLICIES:
+        s = stats[p]
+        med = C.median(times[p][i] for i in train_steps)
+        res["policies"][p] = {
+            "median_step_s": med, "ratio_vs_none": med / none_med, "ratio_vs_guard": med / guard_med,
+            "total_stall_s": sum(v.stall_seconds for v in s),
+            "sync_fetches": sum(v.sync_fetches for v in s),
+            "offloaded_bytes": sum(v.offloaded_bytes for v in s),
+            "budget_held_every_step": all(v.peak_resident_bytes <= budget for v in s),
+            "max_peak_resident_bytes": max(v.peak_resident_bytes for v in s),
+            "plan_sources": dict(Counter(v.plan_source for v in s)),
+            "detailed_steps": sum(v.profile_mode == "detailed" for v in s),
+            "sequence_changes": sum(v.sequence_changed for v in s),
+            "plan_overrides": sum(v.plan_overrides for v in s),
+            "forced_offloads": sum(v.forced_offloads for v in s),
+            "profiler_share_median": C.median(v.profiler_seconds / v.step_seconds
+                                              for v in s if v.step_seconds > 0),
+            "step_s": times[p]}
+    res["none_step_s"] = times["none"]
+    return res
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    device = torch.device(a.device)
+    results = {}
+    total = len(a.scenarios) * a.steps * (1 + len(POLICIES))
+    with C.progress(total, f"adaptive on {C.device_name(device)}") as advance:
+        for name in a.scenarios:
+            results[name] = run_scenario(name, a, device, advance)
+    payload = {"benchmark": "adaptive", "environment": C.environment(device),
+               "config": {**a.size, "steps": a.steps, "budget_fraction": a.fraction,
+                          "scenarios": a.scenarios, "policies": list(POLICIES),
+                          "min_tensor_bytes": DEFAULT_MIN_TENSOR_BYTES},
+               "results": results}
+    rows = []
+    for name, r in results.items():
+        for p in POLICIES:
+            q = r["policies"][p]
+            rows.append([name, p, q["median_step_s"] * 1e3, q["ratio_vs_none"], q["ratio_vs_guard"],
+                         q["total_stall_s"] * 1e3, q["sync_fetches"], cs.format_bytes(q["offloaded_bytes"]),
+                         q["budget_held_every_step"], q["detailed_steps"],
+                         " ".join(f"{k}:{v}" for k, v in sorted(q["plan_sources"].items())),
+                         f"{100 * q['profiler_share_median']:.2f}%"])
+    env = payload["environment"]
+    md = (f"# adaptive on {env['device_name']}\n\n"
+          f"torch {env['torch']}, commit {env['commit']}; {a.steps} steps per scenario, budget "
+          f"{a.fraction:.0%} of each scenario's first-batch natural peak; medians over training "
+          f"steps; losses bitwise equal to no engine: "
+          f"{all(r['losses_bitwise_equal'] for r in results.values())}.\n\n"
+          + C.markdown_table(["scenario", "policy", "step ms", "x none", "x guard", "stall ms",
+                              "sync fetches", "moved out", "budget held", "timed steps",
+                              "plan sources", "profiler share"], rows))
+    path = C.write_results("adaptive", device, payload, md, a.out)
+    if C.have_matplotlib():
+        plot(results, path.with_suffix(".png"), env["device_name"])
+    print(md)
+    print(f"wrote {path}")
+    ok = all(r["losses_bitwise_equal"] and all(q["budget_held_every_step"]
+                                               for q in r["policies"].values())
+             for r in results.values())
+    return 0 if ok else 1
+
+
+def plot(results: dict, path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(results), figsize=(4 * len(results), 3.2), squeeze=False)
+    for ax, (name, r) in zip(axes[0], results.items()):
+        ax.plot([t * 1e3 for t in r["none_step_s"]], label="none", color="#888")
+        for p, color in zip(POLICIES, ("#c66", "#da3", "#369")):
+            ax.plot([t * 1e3 for t in r["policies"][p]["step_s"]], label=p, color=color)
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.set_ylabel("ms")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"step time per policy, {title}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
