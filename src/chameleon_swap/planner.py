@@ -42,19 +42,27 @@ def plan(profile: Profile, budget: Optional[int], *, max_evals: int = DEFAULT_MA
             evals[0] += 1
         return hit
 
-    def key(pred: Prediction) -> tuple:
-        return (not pred.budget_ok, pred.total_seconds, pred.peak_bytes)
+    nbytes = [sp.nbytes for sp in profile.spans]
+
+    def key(pred: Prediction, move: frozenset = frozenset()) -> tuple:
+        # Among plans predicted equally fast, move the fewest bytes: copies are not free (host
+        # memory bandwidth, and on a CPU device the copy threads share the cores with compute).
+        return (not pred.budget_ok, round(pred.total_seconds, 9), sum(nbytes[j] for j in move))
 
     # Ladder of prefixes of the ranking, then refine around the best.
     n = len(order)
     ks = sorted({0, n, *(round(n * f) for f in (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9))})
-    best_k = min(ks, key=lambda k: key(score(frozenset(order[:k]))[1]))
+    def k_key(k: int) -> tuple:
+        m = frozenset(order[:k])
+        return key(score(m)[1], m)
+
+    best_k = min(ks, key=k_key)
     lo, hi = max(0, best_k - max(1, n // 10)), min(n, best_k + max(1, n // 10))
     step = max(1, (hi - lo) // 12)
     for k in range(lo, hi + 1, step):
         if evals[0] >= max_evals // 2:
             break
-        if key(score(frozenset(order[:k]))[1]) < key(score(frozenset(order[:best_k]))[1]):
+        if k_key(k) < k_key(best_k):
             best_k = k
     best = frozenset(order[:best_k])
     # Local improvement: add or remove single spans near the boundary of the ranking.
@@ -66,10 +74,10 @@ def plan(profile: Profile, budget: Optional[int], *, max_evals: int = DEFAULT_MA
             if evals[0] >= max_evals:
                 break
             cand = best - {j} if j in best else best | {j}
-            if key(score(cand)[1]) < key(score(best)[1]):
+            if key(score(cand)[1], cand) < key(score(best)[1], best):
                 best, improved = cand, True
     p, pred = score(best)
-    if key(base) <= key(pred):
+    if key(base) <= key(pred, best):
         return Plan(frozenset(), {}, budget, base)
     return Plan(p.move, p.fetch_at, budget, pred)
 

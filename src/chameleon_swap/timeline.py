@@ -13,7 +13,8 @@ reuses it. It mirrors what the runtime does:
 * The budget is hard, as the runtime's guard makes it: a save that would pass it waits for
   in-flight copy-outs (stall); if even that is not enough the span is copied out synchronously
   (stall = the wait for its copy). A copy back that finds no room is deferred to the first later
-  slot with room; at its use it is fetched on demand (stall = its wait) and counted for that slot.
+  slot with room; at its use it is fetched on demand (stall = its wait), counted for that slot
+  when there is room, else only handed to the backward node that needs it, as the executor does.
 """
 from __future__ import annotations
 
@@ -138,8 +139,11 @@ def simulate(profile: Profile, plan: Plan, budget: Optional[int], *, curve: Opti
                 if j not in arrive:                  # never issued: fetched on demand
                     if j in deferred:
                         deferred.remove(j)
-                    res += spans[j].nbytes
-                    counted_back.add(j)
+                    if res + spans[j].nbytes <= cap:
+                        res += spans[j].nbytes
+                        counted_back.add(j)
+                    # else: as in the executor, it is handed to the running backward node and
+                    # not kept (not counted as saved-activation bytes).
                     fetch(j, t)
                     note()
                 if arrive[j] > t:

@@ -29,6 +29,7 @@ from .guard import GuardPolicy
 
 DEFAULT_PLAN_CACHE_SIZE = 16
 RECENT_STEPS = 4          # an estimated plan used this recently earns a detailed step
+FIT_COVERAGE = 0.9        # share of saved bytes a plan must match to be kept for a new sequence
 
 
 @dataclass
@@ -323,12 +324,24 @@ class ChameleonPolicy:
             self._prev_sig = profile.signature
         self.step_no += 1
 
+    def _fits(self, profile) -> bool:
+        """The applied plan stood for (nearly) all of this step's saved bytes."""
+        if self._applied is None:
+            return False
+        matched = sum(profile.nbytes[i] for i in self._span_of if i < len(profile.nbytes))
+        return matched >= FIT_COVERAGE * sum(profile.nbytes)
+
     def _miss(self) -> bool:
         return self.overrides > 0 or self.ex.stats.forced_offloads > 0
 
     def _adapt(self, profile) -> None:
         entry = self.cache.get(profile.signature)
         miss = self._miss()
+        if entry is None and not miss and self._fits(profile):
+            # A sequence new in detail, but the plan applied to it (by keys) held without the
+            # guard's help: like the paper, keep it instead of planning again (MoE routing makes
+            # a new signature nearly every step; planning each costs more than it saves).
+            return
         if entry is None or (profile.detailed and (not entry.detailed or miss)):
             self.cache.put(self._make(profile))
         # Detail is wanted when a plan was missed, or a plan still made from estimates has
