@@ -33,6 +33,8 @@ import _common as C  # noqa: E402
 
 import chameleon_swap as cs  # noqa: E402
 from chameleon_swap.config import DEFAULT_MIN_TENSOR_BYTES  # noqa: E402
+from chameleon_swap.planner import plan as make_plan  # noqa: E402
+from chameleon_swap.timeline import Plan, simulate  # noqa: E402
 from chameleon_swap.workloads import Llama, LlamaConfig, MoE, MoEConfig  # noqa: E402
 
 POLICIES = ("guard", "static", "chameleon")
@@ -153,12 +155,22 @@ def run_scenario(name: str, a, device: torch.device, advance) -> dict:
                 stats[m].append(engines[m].last_step)
             advance()
         equal &= all(torch.equal(losses["none"], v) for v in losses.values())
+    # Predicted stall on the chameleon engine's last profiled sequence: its plan vs no plan (what
+    # the guard's forced copies amount to in the same timeline model).
+    prof = engines["chameleon"]._profiler.last_profile
+    predicted = None
+    if prof is not None and prof.n_forward:
+        d2h, h2d = engines["chameleon"]._bandwidth()
+        tl = prof.to_timeline(d2h, h2d)
+        predicted = {"no_plan_stall_s": simulate(tl, Plan(frozenset()), budget).stall_seconds,
+                     "planned_stall_s": make_plan(tl, budget).predicted.stall_seconds,
+                     "profile_detailed": prof.detailed}
     for e in engines.values():
         e.close()
     train_steps = [i for i, it in enumerate(items) if it[2]]
     none_med = C.median(times["none"][i] for i in train_steps)
     guard_med = C.median(times["guard"][i] for i in train_steps)
-    res = {"natural_peak_bytes": natural, "budget_bytes": budget,
+    res = {"natural_peak_bytes": natural, "budget_bytes": budget, "predicted": predicted,
            "losses_bitwise_equal": bool(equal), "none_median_step_s": none_med, "policies": {}}
     for p in POLICIES:
         s = stats[p]
@@ -190,11 +202,12 @@ def main(argv=None) -> int:
     with C.progress(total, f"adaptive on {C.device_name(device)}") as advance:
         for name in a.scenarios:
             results[name] = run_scenario(name, a, device, advance)
+    profiling = profiling_cost(a, device)
     payload = {"benchmark": "adaptive", "environment": C.environment(device),
                "config": {**a.size, "steps": a.steps, "budget_fraction": a.fraction,
                           "scenarios": a.scenarios, "policies": list(POLICIES),
                           "min_tensor_bytes": DEFAULT_MIN_TENSOR_BYTES},
-               "results": results}
+               "results": results, "profiling": profiling}
     rows = []
     for name, r in results.items():
         for p in POLICIES:
@@ -213,6 +226,21 @@ def main(argv=None) -> int:
           + C.markdown_table(["scenario", "policy", "step ms", "x none", "x guard", "stall ms",
                               "sync fetches", "moved out", "budget held", "timed steps",
                               "plan sources", "profiler share"], rows))
+    md += "\nPredicted stall (timeline model, last profiled sequence of the chameleon engine):\n\n"
+    md += C.markdown_table(["scenario", "no plan (guard-like) ms", "chameleon plan ms"],
+                           [[n, r["predicted"]["no_plan_stall_s"] * 1e3,
+                             r["predicted"]["planned_stall_s"] * 1e3]
+                            for n, r in results.items() if r["predicted"]])
+    pc = profiling
+    md += ("\nProfiling cost on one Llama step (medians of interleaved runs, budget None):\n\n"
+           + C.markdown_table(["mode", "step ms", "overhead vs none ms"],
+                              [[m, pc[m] * 1e3, (pc[m] - pc["none"]) * 1e3]
+                               for m in ("none", "torch.profiler", "engine lightweight",
+                                         "engine detailed")])
+           + f"\nProfiler's own host time per step: lightweight {pc['profiler_s_lightweight'] * 1e3:.3f} ms, "
+             f"detailed {pc['profiler_s_detailed'] * 1e3:.3f} ms; detailed-mode cost is "
+             f"{100 * pc['detailed_vs_torch_profiler_reduction']:.1f}% lower than torch.profiler's "
+             "overhead on the same step (the paper reports 84.25%).\n")
     path = C.write_results("adaptive", device, payload, md, a.out)
     if C.have_matplotlib():
         plot(results, path.with_suffix(".png"), env["device_name"])
@@ -222,6 +250,46 @@ def main(argv=None) -> int:
                                                for q in r["policies"].values())
              for r in results.values())
     return 0 if ok else 1
+
+
+def profiling_cost(a, device: torch.device, reps: int = 12) -> dict:
+    """Step time with no engine, under torch.profiler, and with the engine (no budget: nothing
+    moves) profiling lightly and in detail."""
+    model = build("lengths", a.size, device)
+    full = list(model.layers)
+    item = schedule("lengths", a.size, 1, device, model.config.vocab_size)[0]
+    light = cs.Chameleon(None, device=device, policy="guard")
+    detail = cs.Chameleon(None, device=device, policy="guard")
+    detail._policy.wants_detail = lambda: True          # time every save and first use
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+
+    def torch_prof(_):
+        with torch.profiler.profile(activities=acts):
+            one_step(model, full, item, None)
+
+    modes = {"none": lambda _: one_step(model, full, item, None), "torch.profiler": torch_prof,
+             "engine lightweight": lambda _: one_step(model, full, item, light),
+             "engine detailed": lambda _: one_step(model, full, item, detail)}
+    times = {m: [] for m in modes}
+    names = list(modes)
+    for i in range(reps + 2):
+        for m in names[i % 4:] + names[:i % 4]:
+            C.sync(device)
+            t0 = C.now()
+            modes[m](None)
+            C.sync(device)
+            if i >= 2:
+                times[m].append(C.now() - t0)
+    out = {m: C.median(v) for m, v in times.items()}
+    out["profiler_s_lightweight"] = C.median(s.profiler_seconds for s in light.history[2:])
+    out["profiler_s_detailed"] = C.median(s.profiler_seconds for s in detail.history[2:])
+    torch_over = max(1e-9, out["torch.profiler"] - out["none"])
+    out["detailed_vs_torch_profiler_reduction"] = 1 - out["profiler_s_detailed"] / torch_over
+    light.close()
+    detail.close()
+    return out
 
 
 def plot(results: dict, path: Path, title: str) -> None:
