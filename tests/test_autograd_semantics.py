@@ -418,15 +418,6 @@ def test_torch_compile_region_inside_step(backend):
     assert all(s.offloaded_bytes > 0 for s in history), history
 
 
-@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
-def test_torch_compile_past_the_recompile_limit(monkeypatch):
-    """Each step recompiles (see below); once dynamo's recompile limit is hit it runs the module
-    uncompiled: still correct."""
-    torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
-    check(ViewsModel, _compiled_steps("eager", 3), 0.2)
-
-
 class TinyMLP(nn.Module):
     """One submodule: the module hooks the engine installs run inside the compiled region."""
 
@@ -470,12 +461,15 @@ def test_torch_compile_region_inside_step(backend):
 
 
 @pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
-def test_torch_compile_past_the_recompile_limit(monkeypatch):
+def test_torch_compile_past_the_recompile_limit():
     """Each step recompiles (see below); once dynamo's recompile limit is hit it runs the module
     uncompiled: still correct."""
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
-    check(ViewsModel, _compiled_steps("eager", 3), 0.2)
+    # config.patch, not monkeypatch: recompile_limit lives behind the config module's
+    # __getattr__, and monkeypatch's undo deletes such an attribute (breaking dynamo for every
+    # later test).
+    with torch._dynamo.config.patch(recompile_limit=1):
+        check(ViewsModel, _compiled_steps("eager", 3), 0.2)
 
 
 class TinyMLP(nn.Module):

@@ -59,6 +59,8 @@ class StepStats:
     signature: str = ""                # exact hash of this step's operator sequence
     plan_overrides: int = 0            # tensors a plan kept that the guard had to move
     forced_offloads: int = 0           # saves copied out synchronously to hold the budget
+    kept_bytes: int = 0                # copied out but needed before that copy completed: the
+                                       # device copy was used, nothing had to come back
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -284,7 +286,7 @@ class Chameleon:
                 profiler_seconds=profile.profiler_seconds,
                 profile_mode="detailed" if profile.detailed else "lightweight",
                 signature=profile.signature, plan_overrides=report["plan_overrides"],
-                forced_offloads=counters.forced_offloads)
+                forced_offloads=counters.forced_offloads, kept_bytes=counters.kept_bytes)
             self.history.append(stats)
             log.info("%s", stats)
             if counters.saved_bytes == 0 and counters.foreign_bytes > 0 and not self._warned_foreign:

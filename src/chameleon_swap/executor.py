@@ -117,7 +117,7 @@ class Handle:
 class StepCounters:
     __slots__ = ("saved_bytes", "skipped_bytes", "foreign_bytes", "offloaded_bytes", "offloaded_tensors",
                  "prefetched_bytes", "fetched_bytes", "sync_fetches", "late_prefetches",
-                 "budget_waits", "forced_offloads", "peak_resident_bytes")
+                 "budget_waits", "forced_offloads", "kept_bytes", "peak_resident_bytes")
 
     def __init__(self) -> None:
         for name in self.__slots__:
@@ -377,6 +377,8 @@ class Executor:
                 self.profiler.on_first_use(rec.index)
                 self.policy.on_first_use(rec)
             if rec.state == OFFLOADING:
+                if not rec.keep_on_device:
+                    self.stats.kept_bytes += rec.nbytes
                 rec.keep_on_device = True                # needed already: keep the device copy
             elif rec.state == HOST:
                 self.stats.sync_fetches += 1
