@@ -35,10 +35,16 @@ Decisions that mirror the runtime (the executor and ``policy/planned.py``):
 * At its use slot, a moved span that has not been issued yet is handled as the executor does:
   still on its way out -> its device copy is kept (no fetch, no stall); otherwise it is fetched on
   demand (stall = the H2D queue ahead of it + its copy) and counted for its use slot only - when
-  it fits; without room it is only handed to the backward node that needs it (the executor does
-  not count it as saved-activation bytes either). An issued copy back not arrived yet stalls
-  compute by exactly the shortfall.
+  it fits; without room it is only handed to the backward node that needs it and not counted (the
+  executor does not count it as saved-activation bytes either; ``overflow_bytes`` reports the
+  largest such copy). An issued copy back not arrived yet stalls compute by exactly the shortfall.
+* A span needed before its copy-out completed keeps its device copy (the executor's
+  ``keep_on_device``): counted to the end of its use slot, no copy back, no stall.
 * Copies of spans never used again do not hold up the end of the step.
+
+Cost: O(n log n) in the spans plus O(slots): copy-outs complete in FIFO order (a deque); pending
+copies back sit in a min-segment tree over their issue order ("the first one that fits" in
+O(log n)); copies back waiting for their copy-out, in a heap.
 
 ``lower_bound_seconds = max(sum(compute), F / d2h, F / h2d)`` where ``F`` is the number of bytes
 copied back to the device in the prediction (each of those was copied out before and both copies
@@ -46,6 +52,7 @@ end before some slot of the step starts, on one stream each). ``total_seconds >=
 """
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -65,9 +72,9 @@ class Span:
 
 @dataclass(frozen=True)
 class Profile:
-    compute: tuple       # seconds per slot, forward then backward; n_slots = len(compute)
+    compute: tuple[float, ...]   # seconds per slot, forward then backward; n_slots = len(compute)
     n_forward: int
-    spans: tuple         # Span, in save order
+    spans: tuple[Span, ...]      # in save order
     d2h_bytes_per_s: float
     h2d_bytes_per_s: float
 
@@ -124,11 +131,12 @@ class Prediction:
     fetched_bytes: int = 0               # bytes copied back (F above)
     forced_offloads: int = 0             # saves that found no room even with nothing in flight
     sync_fetches: int = 0                # copies back not issued before the use slot (on demand)
+    overflow_bytes: int = 0              # largest on-demand copy back kept uncounted (no room)
 
 
 @dataclass(frozen=True)
 class Plan:
-    move: frozenset                     # span indices copied out right after their save
+    move: frozenset[int]                # span indices copied out right after their save
     fetch_at: Mapping[int, int] = field(default_factory=dict)   # span -> slot of its copy back
     budget: Optional[int] = None
     predicted: Optional[Prediction] = None
@@ -154,7 +162,7 @@ def lower_bound(profile: Profile, fetched_bytes: int) -> float:
 _DEV, _OUT, _HOST, _BACK, _LOOSE = 0, 1, 2, 3, 4
 # _DEV: on the device (never moved, or kept because its copy-out had not finished at its use);
 # _OUT: copy-out in flight (counted); _HOST: only on the host; _BACK: copy back issued (counted);
-# _LOOSE: fetched on demand without room (not counted).
+# _LOOSE: fetched on demand without room (not counted), or released after its use slot.
 
 
 def simulate(profile: Profile, plan: Plan, budget: Optional[int], *,
@@ -163,53 +171,52 @@ def simulate(profile: Profile, plan: Plan, budget: Optional[int], *,
 
     ``curve`` (a list) receives ``(time, resident bytes)`` after every change. ``trace`` (a dict)
     receives per-span details for the planner: ``use_stall`` (span -> seconds compute waited at its
-    use), ``save_stall`` (span -> seconds waited before its save), ``forced`` (list of spans),
-    ``out_done`` (span -> time its copy-out completed), ``slot_start`` (actual start of each slot,
-    stalls included, and the end of the step), ``deferred`` (spans whose copy back waited for
-    room or for their copy-out at least once).
+    use), ``save_stall`` (span -> seconds waited at its save), ``forced`` (spans copied out
+    synchronously), ``out_done`` (span -> time its copy-out completed), ``slot_start`` (when each
+    slot's start is reached - after earlier stalls, before waiting for the slot's own uses - then
+    the end of the step), ``deferred`` (spans whose copy back was issued after its fetch slot, for
+    room or because its copy-out had not ended).
+
+    O(n log n) in the number of spans plus O(n_slots).
     """
     saves_at, uses_at, nbytes, movable, use = profile._index
     compute = profile.compute
     n_f, n_slots = profile.n_forward, len(compute)
     d2h, h2d = profile.d2h_bytes_per_s, profile.h2d_bytes_per_s
     cap = INF if budget is None else budget
+    n = len(nbytes)
 
-    move = [False] * len(nbytes)
+    move = [False] * n
+    fslot: dict[int, int] = {}         # copy-back slot of each moved span backward needs
+    fetch_at = plan.fetch_at
     for j in plan.move:
         if movable[j]:                 # a span that cannot move stays, whatever the plan says
             move[j] = True
-    # Copies back per slot, each bucket in issue order (use, index).
-    fetch_at = plan.fetch_at
-    buckets: dict[int, list[int]] = {}
-    for j in sorted((j for j in plan.move if move[j] and use[j] < n_slots),
-                    key=lambda j: (use[j], j)):
-        s = fetch_at.get(j, use[j])
-        s = n_f if s < n_f else (use[j] if s > use[j] else s)
-        buckets.setdefault(s, []).append(j)
+            u = use[j]
+            if u < n_slots:
+                f = fetch_at.get(j, u)
+                fslot[j] = n_f if f < n_f else (u if f > u else f)
 
-    state = [_DEV] * len(nbytes)
-    arrive = [0.0] * len(nbytes)
-    outq: deque = deque()              # (done, span): copy-outs still counted, FIFO = done order
+    state = [_DEV] * n
+    out_done = [0.0] * n
+    arrive = [0.0] * n
+    outq: deque = deque()              # (done, span): copy-outs still counted; FIFO = done order
     inflight = 0                       # bytes of those
-    forced_back: list[int] = []        # forced copy-outs, to be copied back from slot n_forward
-    pending: list[int] = []            # copies back waiting for room / their copy-out
-    scan_res, scan_out = 0, False      # resident bytes at the last scan of pending; any out?
     t = 0.0
-    res = 0
-    peak = 0
-    stall = fstall = 0.0
+    res = peak = 0
+    stall = 0.0
     d2h_free = h2d_free = 0.0
-    moved = fetched = forced_n = sync_n = 0
+    moved = fetched = forced_n = sync_n = overflow = 0
     tracing = trace is not None
-    if tracing:
-        use_stall: dict[int, float] = {}
-        save_stall: dict[int, float] = {}
-        forced_l: list[int] = []
-        out_done_d: dict[int, float] = {}
-        slot_start: list[float] = []
-        deferred: set[int] = set()
+    use_stall: dict[int, float] = {}
+    save_stall: dict[int, float] = {}
+    forced_l: list[int] = []
+    slot_start: list[float] = []
+    deferred: set[int] = set()
+    drawing = curve is not None
 
     def reap(now: float) -> None:
+        """Copy-outs that ended by ``now`` release their device bytes."""
         nonlocal res, inflight
         while outq and outq[0][0] <= now:
             done, k = outq.popleft()
@@ -217,156 +224,219 @@ def simulate(profile: Profile, plan: Plan, budget: Optional[int], *,
                 state[k] = _HOST
                 res -= nbytes[k]
                 inflight -= nbytes[k]
-                if curve is not None:
+                if drawing:
                     curve.append((done, res))
 
-    for s in range(n_slots):
-        if s >= n_f:
-            # ---- start of a backward slot: issue copies back, then wait for what is needed.
+    # ------------------------------------------------------------------ forward
+    for s in range(n_f):
+        if tracing:
+            slot_start.append(t)
+        t += compute[s]
+        if outq and outq[0][0] <= t:
             reap(t)
-            if tracing:
-                slot_start.append(t)
-            new = buckets.get(s)
-            if s == n_f and forced_back:
-                new = sorted((new or []) + forced_back, key=lambda j: (use[j], j))
-            # (Pending copies that found no room are retried only when there may be more room
-            # now, or one of them was still on its way out: the result is the same, faster.)
-            if new or (pending and (res < scan_res or scan_out)):
-                todo = pending + new if new else pending
-                pending = []
-                scan_out = False
-                for j in todo:
-                    if state[j] != _HOST:
-                        if state[j] == _OUT:
-                            pending.append(j)        # still on its way out: retry later
-                            scan_out = True
-                            if tracing:
-                                deferred.add(j)
-                        continue                     # already handled at its use
-                    b = nbytes[j]
-                    if res + b > cap:
-                        pending.append(j)
+        for j in saves_at[s]:
+            b = nbytes[j]
+            if res + b > cap:
+                t0 = t
+                if res - inflight + b > cap:
+                    # It cannot fit even with nothing in flight.
+                    if movable[j]:
+                        # Copied out synchronously behind the D2H queue, never counted.
+                        d2h_free = (t if t > d2h_free else d2h_free) + b / d2h
+                        out_done[j] = t = d2h_free
+                        reap(t)
+                        state[j] = _HOST
+                        moved += b
+                        forced_n += 1
+                        if use[j] < n_slots:
+                            fslot[j] = n_f       # the guard copies it back when room allows
+                        stall += t - t0
                         if tracing:
-                            deferred.add(j)
+                            forced_l.append(j)
+                            save_stall[j] = t - t0
                         continue
-                    state[j] = _BACK
-                    res += b
-                    if res > peak:
-                        peak = res
-                    start = t if t > h2d_free else h2d_free
-                    h2d_free = arrive[j] = start + b / h2d
-                    fetched += b
-                    if curve is not None:
-                        curve.append((t, res))
-                scan_res = res
-            for j in uses_at[s]:
+                    # Not movable: saved over the budget (budget_ok becomes False).
+                else:
+                    while res + b > cap:         # wait for copy-outs in flight, oldest first
+                        done = outq[0][0]
+                        if done > t:
+                            t = done
+                        reap(t)
+                    stall += t - t0
+                    if tracing:
+                        save_stall[j] = t - t0
+            res += b
+            if res > peak:
+                peak = res
+            if move[j]:
+                d2h_free = (t if t > d2h_free else d2h_free) + b / d2h
+                out_done[j] = d2h_free
+                state[j] = _OUT
+                outq.append((d2h_free, j))
+                inflight += b
+                moved += b
+            if drawing:
+                curve.append((t, res))
+    fstall = stall
+
+    # ------------------------------------------------------------------ backward
+    # Copies back not issued yet, in issue order (fetch slot, use, index), as a min-segment tree
+    # of their sizes: "the first pending copy that fits" in O(log n). Only copies that found no
+    # room sit in it; the others are issued straight from their slot's bucket.
+    w1 = n_slots + 1
+    order = [x % n for x in sorted((f * w1 + use[k]) * n + k for k, f in fslot.items())]
+    pos = {k: i for i, k in enumerate(order)}
+    buckets: list = [None] * (n_slots + 1)
+    for k in order:
+        f = fslot[k]
+        if buckets[f] is None:
+            buckets[f] = [k]
+        else:
+            buckets[f].append(k)
+    size = 1
+    while size < len(order):
+        size *= 2
+    tree = [INF] * (2 * size)
+    waiting: list = []                 # heap (copy-out end, span): due, but still going out
+
+    def put(k: int, v: int) -> None:
+        i = pos[k] + size
+        tree[i] = v
+        i >>= 1
+        while i and tree[i] > v:
+            tree[i] = v
+            i >>= 1
+
+    def clear(k: int) -> None:
+        i = pos[k] + size
+        old = tree[i]
+        tree[i] = INF
+        i >>= 1
+        while i and tree[i] == old:
+            left, right = tree[2 * i], tree[2 * i + 1]
+            m = left if left < right else right
+            if m == old:
+                break
+            tree[i] = m
+            i >>= 1
+
+    for s in range(n_f, n_slots):
+        # ---- start of the slot: issue copies back, then wait for what it needs.
+        if outq and outq[0][0] <= t:
+            reap(t)
+        if tracing:
+            slot_start.append(t)
+        if waiting and waiting[0][0] <= t:
+            ready = []
+            while waiting and waiting[0][0] <= t:
+                k = heapq.heappop(waiting)[1]
+                if state[k] == _HOST:
+                    ready.append(pos[k])
+            ready.sort()
+            for i in ready:
+                put(order[i], nbytes[order[i]])
+        # Deferred copies first (they come earlier in issue order), then this slot's.
+        while tree[1] != INF and res + tree[1] <= cap:
+            i, room = 1, cap - res
+            while i < size:
+                v = tree[2 * i]
+                i = 2 * i if v != INF and v <= room else 2 * i + 1
+            j = order[i - size]
+            clear(j)
+            b = nbytes[j]
+            state[j] = _BACK
+            res += b
+            if res > peak:
+                peak = res
+            h2d_free = arrive[j] = (t if t > h2d_free else h2d_free) + b / h2d
+            fetched += b
+            if tracing:
+                deferred.add(j)
+            if drawing:
+                curve.append((t, res))
+        bucket = buckets[s]
+        if bucket is not None:
+            for j in bucket:
                 st = state[j]
-                if st == _DEV or st == _OUT:
-                    if st == _OUT:                   # needed before its copy-out finished:
-                        state[j] = _DEV              # the executor keeps the device copy
-                        inflight -= nbytes[j]
-                    continue
-                b = nbytes[j]
-                if st == _HOST:                      # not issued: fetched on demand now
-                    sync_n += 1
-                    start = t if t > h2d_free else h2d_free
-                    h2d_free = arrive[j] = start + b / h2d
-                    fetched += b
+                if st == _HOST:
+                    b = nbytes[j]
                     if res + b <= cap:
                         state[j] = _BACK
                         res += b
                         if res > peak:
                             peak = res
-                        if curve is not None:
+                        h2d_free = arrive[j] = (t if t > h2d_free else h2d_free) + b / h2d
+                        fetched += b
+                        if drawing:
                             curve.append((t, res))
                     else:
-                        state[j] = _LOOSE
-                if arrive[j] > t:
-                    w = arrive[j] - t
-                    stall += w
-                    t = arrive[j]
+                        put(j, b)                    # no room: retried at later slot starts
+                elif st == _OUT:
+                    heapq.heappush(waiting, (out_done[j], j))   # still on its way out
                     if tracing:
-                        use_stall[j] = use_stall.get(j, 0.0) + w
-                    reap(t)
-        elif tracing:
-            slot_start.append(t)
-        t += compute[s]
-        if s < n_f:
-            # ---- end of a forward slot: its spans are saved.
-            reap(t)
-            for j in saves_at[s]:
+                        deferred.add(j)
+        for j in uses_at[s]:
+            st = state[j]
+            if st == _DEV:
+                continue
+            if st == _OUT:                           # needed before its copy-out ended:
+                state[j] = _DEV                      # the executor keeps the device copy
+                inflight -= nbytes[j]
+                continue
+            if st == _HOST:                          # not issued: fetched on demand now
                 b = nbytes[j]
-                t0 = t
-                if res + b > cap:
-                    if res - inflight + b > cap:
-                        # Cannot fit even with nothing in flight.
-                        if movable[j]:
-                            # Copied out synchronously, behind the D2H queue; never counted.
-                            start = t if t > d2h_free else d2h_free
-                            d2h_free = start + b / d2h
-                            t = d2h_free
-                            reap(t)
-                            state[j] = _HOST
-                            moved += b
-                            forced_n += 1
-                            if use[j] < n_slots:
-                                forced_back.append(j)
-                            if tracing:
-                                forced_l.append(j)
-                                out_done_d[j] = t
-                                save_stall[j] = t - t0
-                            stall += t - t0
-                            fstall += t - t0
-                            continue
-                        # Not movable: saved over the budget (budget_ok becomes False).
-                    else:
-                        while res + b > cap:         # wait for copy-outs in flight, oldest first
-                            done = outq[0][0]
-                            if done > t:
-                                t = done
-                            reap(t)
-                        w = t - t0
-                        stall += w
-                        fstall += w
-                        if tracing:
-                            save_stall[j] = w
-                res += b
-                if res > peak:
-                    peak = res
-                if move[j]:
-                    start = t if t > d2h_free else d2h_free
-                    d2h_free = start + b / d2h
-                    state[j] = _OUT
-                    outq.append((d2h_free, j))
-                    inflight += b
-                    moved += b
-                    if tracing:
-                        out_done_d[j] = d2h_free
-                if curve is not None:
-                    curve.append((t, res))
-        else:
-            # ---- end of a backward slot: spans first used in it are released.
-            rel = 0
-            for j in uses_at[s]:
-                st = state[j]
-                if st == _DEV or st == _BACK:
-                    rel += nbytes[j]
-                state[j] = _LOOSE                    # done with it
-            if rel:
-                res -= rel
-                if curve is not None:
-                    curve.append((t, res))
+                sync_n += 1
+                if j in pos and tree[pos[j] + size] != INF:
+                    clear(j)
+                if tracing and fslot.get(j, s) < s:
+                    deferred.add(j)
+                h2d_free = arrive[j] = (t if t > h2d_free else h2d_free) + b / h2d
+                fetched += b
+                if res + b <= cap:
+                    state[j] = _BACK
+                    res += b
+                    if res > peak:
+                        peak = res
+                    if drawing:
+                        curve.append((t, res))
+                else:
+                    state[j] = _LOOSE
+                    if b > overflow:
+                        overflow = b
+            if arrive[j] > t:                        # not arrived yet: compute waits
+                w = arrive[j] - t
+                stall += w
+                t = arrive[j]
+                if tracing:
+                    use_stall[j] = use_stall.get(j, 0.0) + w
+                if outq and outq[0][0] <= t:
+                    reap(t)
+        t += compute[s]
+        # ---- end of the slot: spans first used in it are released.
+        if drawing and outq and outq[0][0] <= t:
+            reap(t)                                  # (only so that curve points stay in order)
+        rel = 0
+        for j in uses_at[s]:
+            st = state[j]
+            if st == _DEV or st == _BACK:
+                rel += nbytes[j]
+            state[j] = _LOOSE                        # done with it
+        if rel:
+            res -= rel
+            if drawing:
+                curve.append((t, res))
+
     if tracing:
         slot_start.append(t)
         trace.update(use_stall=use_stall, save_stall=save_stall, forced=forced_l,
-                     out_done=out_done_d,
+                     out_done={j: out_done[j] for j in range(n) if move[j] or j in fslot},
                      slot_start=slot_start, deferred=deferred)
     total = float(sum(compute)) + stall
     return Prediction(peak_bytes=peak, stall_seconds=stall, total_seconds=total,
                       lower_bound_seconds=lower_bound(profile, fetched),
                       budget_ok=budget is None or peak <= budget,
                       forward_stall_seconds=fstall, moved_bytes=moved, fetched_bytes=fetched,
-                      forced_offloads=forced_n, sync_fetches=sync_n)
+                      forced_offloads=forced_n, sync_fetches=sync_n, overflow_bytes=overflow)
 
 
 def memory_curve(profile: Profile, plan: Plan, budget: Optional[int]) -> list:
