@@ -18,6 +18,7 @@ from _helpers import assert_bitwise, compare, grads, natural_peak, train_step
 from _models import SPEC_BLOCKS, FunctionalModel, ViewsModel, randn, random_model
 
 FRACTIONS = [1.0, 0.5, 0.2, 0.05, 0.0]
+POLICIES = ["guard", "chameleon", "static"]     # every policy, whichever is the default
 TINY = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
 
 
@@ -75,13 +76,14 @@ def param_storages(model):
 
 
 # --------------------------------------------------------------------------- bitwise equality
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("fraction", FRACTIONS)
 @pytest.mark.parametrize("name", list(MODELS))
-def test_bitwise_under_budget(name, fraction):
+def test_bitwise_under_budget(name, fraction, policy):
     make, make_batches = MODELS[name]
     model = make()
     batches = make_batches(model)
-    history, peaks, budget = compare(model, batches, fraction)
+    history, peaks, budget = compare(model, batches, fraction, policy=policy)
     assert len(history) == len(batches)
     assert all(s.budget_bytes == budget for s in history)
     if fraction < 1.0:
@@ -212,9 +214,10 @@ def spied_step(model, make_input, eng, spy, budget):
     return loss.detach()
 
 
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("fraction", [None, 1.0, 0.5, 0.2, 0.0])
 @pytest.mark.parametrize("kind", ["views", "functional", "random"])
-def test_residency_cross_check(kind, fraction):
+def test_residency_cross_check(kind, fraction, policy):
     if kind == "views":
         model, shape = ViewsModel(), (2, 9, 16)
     elif kind == "functional":
@@ -225,9 +228,9 @@ def test_residency_cross_check(kind, fraction):
     make_input = lambda: randn(*shape, seed=5)  # noqa: E731
     peak = natural_peak(model, (make_input(),))
     budget = None if fraction is None else int(peak * fraction)
-    with engine(budget) as eng:
+    with engine(budget, policy=policy) as eng:
         spy = PackSpy(eng, param_storages(model))
-        for _ in range(2):                       # a second step on warm pool/policy state
+        for _ in range(3):                       # later steps on warm pool/policy/plan state
             model.zero_grad(set_to_none=True)
             ref.zero_grad(set_to_none=True)
             loss = spied_step(model, make_input, eng, spy, budget)
@@ -249,15 +252,16 @@ def _spec():
 @given(spec=_spec(),
        shapes=st.lists(st.tuples(st.integers(1, 2), st.integers(1, 6)), min_size=1, max_size=3),
        fraction=st.one_of(st.none(), st.floats(0.0, 1.2)),
-       min_tensor_bytes=st.sampled_from([0, 64, 2**20]))
-def test_random_models_bitwise_and_budget(spec, shapes, fraction, min_tensor_bytes):
+       min_tensor_bytes=st.sampled_from([0, 64, 2**20]),
+       policy=st.sampled_from(POLICIES))
+def test_random_models_bitwise_and_budget(spec, shapes, fraction, min_tensor_bytes, policy):
     model = random_model(spec)
     ref = copy.deepcopy(model)
     dim = spec["dim"]
     inputs = [(lambda s=s, i=i: randn(s[0], s[1], dim, seed=i)) for i, s in enumerate(shapes)]
     peaks = [natural_peak(model, (f(),)) for f in inputs]
     budget = None if fraction is None else int(min(peaks) * fraction)
-    with engine(budget, min_tensor_bytes=min_tensor_bytes) as eng:
+    with engine(budget, min_tensor_bytes=min_tensor_bytes, policy=policy) as eng:
         spy = PackSpy(eng, param_storages(model))
         for f in inputs:
             model.zero_grad(set_to_none=True)

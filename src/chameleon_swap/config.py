@@ -125,7 +125,7 @@ class EngineConfig:
     budget: SizeLike = None
     min_tensor_bytes: SizeLike = DEFAULT_MIN_TENSOR_BYTES
     device_memory_limit: SizeLike = None
-    policy: str = "guard"
+    policy: str = "chameleon"
     host_memory_limit: SizeLike = None
     # Sequence-change thresholds of the profiler (Chameleon's defaults: 5% length, 0.95 cosine).
     length_tolerance: float = 0.05

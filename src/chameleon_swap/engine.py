@@ -92,9 +92,10 @@ class Chameleon:
             budget cannot be held otherwise.
         device_memory_limit: CUDA only: a cap on all memory allocated on the device; each step's
             activation budget is derived from what is allocated when it begins.
-        policy: "guard" (no profile needed; holds the budget on any step), "chameleon" (profiles
-            every step, plans per operator sequence, adapts when it changes; the guard underneath)
-            or "static" (one plan made after warm-up and frozen: the baseline of frozen peers).
+        policy: "chameleon" (the default: profiles every step, plans per operator sequence,
+            adapts when it changes; the guard underneath), "guard" (no profile needed; holds the
+            budget on any step) or "static" (one plan made after warm-up and frozen: the
+            baseline of frozen peers).
         host_memory_limit: most host memory offloaded activations may take; default half of the
             RAM available when the engine is created.
         length_tolerance, min_similarity: a step's operator sequence counts as changed when its
@@ -114,7 +115,7 @@ class Chameleon:
 
     def __init__(self, budget: SizeLike = None, *, device=None,
                  min_tensor_bytes: SizeLike = DEFAULT_MIN_TENSOR_BYTES,
-                 device_memory_limit: SizeLike = None, policy: str = "guard",
+                 device_memory_limit: SizeLike = None, policy: str = "chameleon",
                  host_memory_limit: SizeLike = None, length_tolerance: float = 0.05,
                  min_similarity: float = 0.95, plan_cache_size: int = 16) -> None:
         self.config = EngineConfig(budget=budget, min_tensor_bytes=min_tensor_bytes,

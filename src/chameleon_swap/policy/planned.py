@@ -206,11 +206,13 @@ class ChameleonPolicy:
     # ------------------------------------------------------------------ forward
     def make_room(self, rec: Record) -> None:
         ex = self.ex
+        g = self.guard
+        # The guard underneath keeps room for one more tensor of the largest size seen, for the
+        # records no plan covers: it must see every save, not only those that find no room.
+        g._largest = max(g._largest, rec.nbytes)
         target = ex.budget - rec.nbytes
         if ex.resident_bytes <= target:
             return
-        g = self.guard
-        g._largest = max(g._largest, rec.nbytes)
         g._offload_down_to(target, include_small=True)       # unplanned records first
         staying = ex.resident_bytes - ex.inflight_out_bytes
         while staying > target and self._kept:
