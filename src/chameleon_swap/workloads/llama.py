@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -170,10 +170,20 @@ class Llama(nn.Module):
         if config.tie_embeddings:
             self.output.weight = self.tok_emb.weight
         # Not persistent: it is derived from the config, so checkpoints need not carry it.
-        hd = config.head_dim
-        inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
         self.init_weights()
+
+    def _inv_freq(self, device=None) -> torch.Tensor:
+        hd = self.config.head_dim
+        exps = torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd
+        return (1.0 / self.config.rope_theta ** exps).float()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Recompute the derived buffers (RoPE frequencies, always float32) where the model lives:
+        needed after ``to_empty()`` (a model built on the meta device) or a cast to a low
+        precision dtype."""
+        self.inv_freq = self._inv_freq(self.inv_freq.device)
 
     def make_mlp(self, config: LlamaConfig) -> nn.Module:
         """The MLP of one block; subclasses (MoE) override this."""
@@ -199,17 +209,28 @@ class Llama(nn.Module):
                 s = resid_std if name.endswith(("wo.weight", "w2.weight")) else std
                 p.copy_(torch.randn(p.shape, generator=gen) * s)
 
-    def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                keep: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """Logits (B, T, vocab), or the mean cross-entropy when ``targets`` is given.
+
+        ``keep`` (layer drop): the indices of the blocks to run, increasing; the others are
+        skipped entirely. None runs every block."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be (batch, seq_len); got shape {tuple(tokens.shape)}")
         T = tokens.size(1)
         if not 1 <= T <= self.config.max_seq_len:
             raise ValueError(f"seq_len must be between 1 and max_seq_len "
                              f"({self.config.max_seq_len}); got {T}")
+        n = len(self.layers)
+        if keep is None:
+            keep = range(n)
+        elif not all(type(i) is int and 0 <= i < n for i in keep) or list(keep) != sorted(set(keep)):
+            raise ValueError(f"keep must be increasing block indices from 0 to {n - 1}; got {keep!r}")
         cos, sin = rope_cos_sin(self.inv_freq, T)
         x = self.tok_emb(tokens)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
+        for i in keep:
+            # Through the ModuleList by index, so a block wrapped in place (checkpointing) is used.
+            x = self.layers[i](x, cos, sin)
         logits = self.output(self.norm(x))
         if targets is None:
             return logits
