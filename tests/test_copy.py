@@ -588,3 +588,35 @@ def test_pinned_memory_status_without_cuda():
     assert isinstance(ok, bool) and isinstance(why, str) and why
     if not torch.cuda.is_available():
         assert ok is False and "no CUDA" in why
+
+
+# --------------------------------------------------------------------------- byte copies, host flag
+def test_copy_bytes_copies_exactly_and_refuses_what_it_cannot_copy():
+    from chameleon_swap.copy.cpu import copy_bytes
+    src = torch.arange(1000, dtype=torch.int64).view(torch.uint8)   # 8000 bytes, all distinct-ish
+    dst = torch.zeros_like(src)
+    copy_bytes(dst, src)
+    assert torch.equal(dst, src)
+    copy_bytes(torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8))  # no-op
+    for bad_dst, bad_src in [(torch.empty(7999, dtype=torch.uint8), src),           # sizes differ
+                             (torch.empty(1000, dtype=torch.int64), src),           # not bytes
+                             (torch.empty(16000, dtype=torch.uint8)[::2], src)]:    # strided
+        with pytest.raises(RuntimeError, match="contiguous uint8"):
+            copy_bytes(bad_dst, bad_src)
+
+
+def test_allocating_host_is_set_only_while_the_pool_allocates(monkeypatch):
+    from chameleon_swap.copy import host_pool
+    seen = []
+    real_empty = torch.empty
+
+    def spy(*args, **kwargs):
+        seen.append(host_pool.allocating_host())
+        return real_empty(*args, **kwargs)
+    pool = HostPool(2**20, pin=False)
+    monkeypatch.setattr(host_pool.torch, "empty", spy)
+    buf = pool.acquire(5000)          # fresh: allocated under the flag
+    pool.release(buf)
+    pool.acquire(5000)                # reused: no allocation at all
+    assert seen == [True]
+    assert host_pool.allocating_host() is False

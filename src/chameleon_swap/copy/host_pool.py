@@ -15,6 +15,16 @@ import torch
 from ..config import format_bytes
 
 
+_allocating = threading.local()
+
+
+def allocating_host() -> bool:
+    """True on this thread while the pool allocates a host buffer. On a CPU device, host and
+    device are the same RAM: tools that meter device memory (``bench.meter``) read this to leave
+    host buffers out, as they would be on a GPU."""
+    return getattr(_allocating, "on", False)
+
+
 class HostMemoryError(RuntimeError):
     """The host buffer pool cannot hold another offloaded tensor within ``host_memory_limit``."""
 
@@ -71,7 +81,11 @@ class HostPool:
                         f"over host_memory_limit={format_bytes(self.limit_bytes)}. Raise "
                         f"host_memory_limit, raise the device budget, or shrink the step.")
                 self._trim_locked(self.limit_bytes - cls)
-                buf = HostBuffer(torch.empty(cls, dtype=torch.uint8, pin_memory=self.pin))
+                _allocating.on = True
+                try:
+                    buf = HostBuffer(torch.empty(cls, dtype=torch.uint8, pin_memory=self.pin))
+                finally:
+                    _allocating.on = False
                 self.allocations += 1
             self.in_use_bytes += cls
             self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
