@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts)
 
 import chameleon_swap as cs
 from chameleon_swap.workloads import get_workload
@@ -50,14 +51,31 @@ def param_grads(model):
     return {i: None if p.grad is None else p.grad.clone() for i, p in enumerate(model.parameters())}
 
 
+def keep_matmuls_and_attention():
+    """Selective checkpointing's usual policy: save matmul and attention outputs, recompute the
+    rest."""
+    aten = torch.ops.aten
+    keep = {getattr(aten, n).default for n in ("mm", "addmm", "bmm", "baddbmm",
+                                                "_scaled_dot_product_flash_attention_for_cpu")
+            if hasattr(aten, n)}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+    return create_selective_checkpoint_contexts(policy)
+
+
 class Checkpointed(torch.nn.Module):
     """What the recompute baselines put in place of each block."""
 
-    def __init__(self, block):
+    def __init__(self, block, selective=False):
         super().__init__()
         self.block = block
+        self.selective = selective
 
     def forward(self, *args, **kwargs):
+        if self.selective:
+            return checkpoint(self.block, *args, use_reentrant=False,
+                              context_fn=keep_matmuls_and_attention, **kwargs)
         return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
 
 
@@ -199,8 +217,9 @@ def test_mixed_scales_micro_batch_losses_but_not_eval_losses():
 
 
 # --------------------------------------------------------------------------- recompute baseline
+@pytest.mark.parametrize("selective", [False, True], ids=["full", "selective"])
 @pytest.mark.parametrize("name", ALL)
-def test_checkpointed_blocks_are_bitwise_equal(name):
+def test_checkpointed_blocks_are_bitwise_equal(name, selective):
     w = workload(name)
     ref, wrapped = w.build("cpu", seed=1), w.build("cpu", seed=1)
     lists = w.block_lists(wrapped)
@@ -208,7 +227,7 @@ def test_checkpointed_blocks_are_bitwise_equal(name):
     n_params = sum(1 for _ in wrapped.parameters())
     for blocks in lists:
         for i in range(len(blocks)):
-            blocks[i] = Checkpointed(blocks[i])
+            blocks[i] = Checkpointed(blocks[i], selective)
     assert sum(1 for _ in wrapped.parameters()) == n_params
     calls = []
     hooks = [m.register_forward_pre_hook(lambda *_: calls.append(1))

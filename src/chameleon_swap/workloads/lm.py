@@ -57,7 +57,8 @@ class LMWorkloadConfig:
 
 
 # Sizes shared by the decoder workloads. tiny: a test step in milliseconds; small: a CPU demo step
-# of about a hundred ms with tens of MiB of saved activations; gpu: a 1B-class model on an H100.
+# of tens of ms with 10-50 MiB of saved activations; gpu: a 0.8B model on an H100, 16k tokens a
+# step: ~45 GB of fp32 activations (166 KiB per token and layer, measured on CPU) plus the logits.
 LM_TINY = dict(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, batch_size=2, seq_len=32)
 LM_SMALL = dict(vocab_size=2048, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, batch_size=2,
                 seq_len=256)
@@ -112,8 +113,10 @@ class MoEWorkload(LlamaVarlen):
                    "expert calls and shapes change every step")
     config_class = MoEWorkloadConfig
     model_class = MoE
-    # gpu: four experts of a quarter of the dense width each, so the parameters stay ~1B.
-    presets = {"tiny": LM_TINY, "small": LM_SMALL, "gpu": {**LM_GPU, "expert_ffn_dim": 2816}}
+    # gpu: four experts of half the dense width (1.4B parameters) and half the batch: ~26 GB of
+    # fp32 activations (200 KiB per token and layer).
+    presets = {"tiny": LM_TINY, "small": LM_SMALL,
+               "gpu": {**LM_GPU, "expert_ffn_dim": 2816, "batch_size": 2}}
 
 
 # ------------------------------------------------------------------ layerdrop
