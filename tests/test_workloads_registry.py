@@ -228,3 +228,17 @@ def test_rope_3d_rotates_along_all_three_axes():
     assert torch.allclose(angles[:, 0], grid[:, 0].float())   # first t pair: frequency 1
     assert torch.allclose(angles[:, 2], grid[:, 1].float())   # first h pair
     assert torch.allclose(angles[:, 4], grid[:, 2].float())   # first w pair
+
+
+def test_video_dit_with_temporal_patches_pads_frames_and_predicts_every_one():
+    w = get_workload("video-dit", "tiny", patch_t=2, buckets=((1, 4, 4), (3, 4, 6)))
+    model = w.build("cpu", seed=0)
+    for b in w.batches(6, "cpu", seed=0):
+        xt, t, text, noise = b.args
+        assert model(xt, t, text).shape == xt.shape      # padded frames are cropped away
+        T, H, W = xt.shape[2:]
+        assert b.tokens == xt.shape[0] * -(-T // 2) * (H // 2) * (W // 2)
+        loss = w.loss(model, b)
+        loss.backward()
+        assert torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())

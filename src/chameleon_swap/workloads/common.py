@@ -93,7 +93,8 @@ def check_lengths(cfg) -> None:
     """Validate ``seq_len``, ``lengths`` and ``buckets`` of a config with a length schedule."""
     check_int("seq_len", cfg.seq_len)
     check_choice("lengths", cfg.lengths, LENGTH_MODES)
-    cfg.buckets = as_tuple("buckets", cfg.buckets, "a non-empty tuple of fractions of seq_len in (0, 1]")
+    cfg.buckets = as_tuple("buckets", cfg.buckets,
+                           "a non-empty tuple of fractions of seq_len in (0, 1]")
     for b in cfg.buckets:
         check_fraction("buckets", b, closed_top=True)
 

@@ -67,9 +67,11 @@ class VideoDiTConfig:
         check_int("ffn_dim", self.ffn_dim)
         check_float("rope_theta", self.rope_theta)
         check_float("norm_eps", self.norm_eps)
-        if self.dim % self.n_heads or (self.dim // self.n_heads) % 2 or self.dim // self.n_heads < 6:
+        hd = self.dim // self.n_heads
+        if self.dim % self.n_heads or hd % 2 or hd < 6:
             raise ValueError(f"n_heads must divide dim ({self.dim}) into heads of an even size of "
-                             f"at least 6 (3D RoPE rotates pairs along 3 axes); got n_heads={self.n_heads}")
+                             f"at least 6 (3D RoPE rotates pairs along 3 axes); "
+                             f"got n_heads={self.n_heads}")
         accepted = "a non-empty tuple of (T, H, W) latent sizes, H and W multiples of patch"
         self.buckets = as_tuple("buckets", self.buckets, accepted)
         for b in self.buckets:

@@ -224,8 +224,10 @@ class Llama(nn.Module):
         n = len(self.layers)
         if keep is None:
             keep = range(n)
-        elif not all(type(i) is int and 0 <= i < n for i in keep) or list(keep) != sorted(set(keep)):
-            raise ValueError(f"keep must be increasing block indices from 0 to {n - 1}; got {keep!r}")
+        elif (not all(type(i) is int and 0 <= i < n for i in keep)
+              or list(keep) != sorted(set(keep))):
+            raise ValueError(f"keep must be increasing block indices from 0 to {n - 1}; "
+                             f"got {keep!r}")
         cos, sin = rope_cos_sin(self.inv_freq, T)
         x = self.tok_emb(tokens)
         for i in keep:
