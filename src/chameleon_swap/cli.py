@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from chameleon_swap._version import __version__
 from chameleon_swap.config import available_host_memory, format_bytes, parse_size, total_host_memory
+from chameleon_swap.bench import commands as _bench
 
 # torch (and everything that imports it) is imported inside the commands that need it: importing
 # it takes seconds, and `--version`, `--help` and usage errors should answer at once.
@@ -127,6 +128,9 @@ def _run_info(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 # name -> (help, configure, run). Only commands that are implemented belong here.
 COMMANDS: dict[str, tuple[str, Configure, Run]] = {
+    # The main job and the sweep live in chameleon_swap.bench.commands (torch imported lazily).
+    "demo": (_bench.DEMO_HELP, _bench.configure_demo, _bench.run_demo),
+    "bench": (_bench.BENCH_HELP, _bench.configure_bench, _bench.run_bench),
     "info": ("show the device, copy bandwidth, pinned memory and host RAM",
              _configure_info, _run_info),
 }
