@@ -39,9 +39,16 @@ def test_no_command_prints_help_and_returns_2(capsys):
     assert "info" in err
 
 
-def test_only_implemented_commands_are_listed():
+def test_only_implemented_commands_are_listed(capsys):
     _, subparsers = cli.build_parser()
-    assert set(subparsers) == set(cli.COMMANDS) == {"info"}
+    assert set(subparsers) == set(cli.COMMANDS)
+    assert {"demo", "bench", "info"} <= set(cli.COMMANDS)
+    assert list(cli.COMMANDS)[0] == "demo"                 # the main job comes first
+    for name in cli.COMMANDS:                              # each one parses its own help
+        with pytest.raises(SystemExit) as e:
+            cli.main([name, "--help"])
+        assert e.value.code == 0
+        assert capsys.readouterr().out.startswith(f"usage: chameleon-swap {name}")
 
 
 def test_info_text(capsys):
