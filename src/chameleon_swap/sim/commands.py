@@ -1,0 +1,335 @@
+"""The simulator's commands: ``simulate``, ``capacity``, ``compare`` and ``trace``.
+
+Each is a (help, configure, run) triple for ``cli.COMMANDS``. Nothing here imports torch except
+``trace --workload``, which records a real run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Optional
+
+from ..config import format_bytes, parse_size
+from . import report, sweeps
+from .analytic import generate
+from .hardware import builtin_names
+from .hardware import load as load_hardware
+from .models import PRESETS, ModelConfig, family, preset
+from .policies import POLICIES, TP_RE, check_policy, lower_bound, run
+from .trace import load as load_trace
+from .trace import save as save_trace
+
+DEFAULT_POLICIES = (*POLICIES, "tp2")
+DEFAULT_MODEL = "llama-7b"
+
+
+# ------------------------------------------------------------------------------ shared arguments
+def _add_model_args(p: argparse.ArgumentParser, model_required: bool = False) -> None:
+    p.add_argument("--model", required=model_required, default=None, metavar="NAME",
+                   help=f"a preset: {', '.join(PRESETS)}")
+    p.add_argument("--hardware", required=False, default=None, metavar="NAME|FILE",
+                   help=f"a built-in profile ({', '.join(builtin_names())}) or a JSON file")
+    p.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per step (default 1)")
+    p.add_argument("--dtype", default="bf16", help="fp32, tf32, bf16, fp16 (default bf16)")
+    p.add_argument("--flash", action=argparse.BooleanOptionalAction, default=True,
+                   help="FlashAttention: no s^2 tensors saved (default on)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    p.add_argument("--dp-shard", type=int, default=1,
+                   help="ranks the optimizer states are sharded over, ZeRO-1 (default 1)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--plot", default=None, metavar="PNG", help="also write a figure to this file")
+
+
+def _config(args, name: Optional[str] = None) -> ModelConfig:
+    name = name or args.model or DEFAULT_MODEL
+    return preset(name, seq=args.seq, micro_batch=args.micro_batch, dtype=args.dtype,
+                  flash=args.flash, tp=args.tp, dp_shard=args.dp_shard)
+
+
+def _hardware(args, required: bool = True):
+    if args.hardware is None:
+        if required:
+            raise ValueError(f"--hardware is required: a built-in profile "
+                             f"({', '.join(builtin_names())}) or a JSON file")
+        return None
+    return load_hardware(args.hardware, "--hardware")
+
+
+def _policies(text: Optional[str], default=DEFAULT_POLICIES) -> list[str]:
+    if not text:
+        return list(default)
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names:
+        raise ValueError("--policies must name at least one policy")
+    return [check_policy(n, "--policies") for n in names]
+
+
+def _hw_line(hw) -> str:
+    return (f"hardware: {hw.name} ({hw.title}): {format_bytes(hw.device_memory_bytes)} device "
+            f"({format_bytes(hw.reserved_bytes)} reserved), host link {hw.d2h / 1e9:.1f}/"
+            f"{hw.h2d / 1e9:.1f} GB/s (D2H/H2D achievable), host RAM "
+            f"{format_bytes(hw.host_memory_bytes)}")
+
+
+# ------------------------------------------------------------------------------ simulate
+SIMULATE_HELP = "simulate every policy on a model (or a recorded trace) at a budget"
+
+
+def configure_simulate(p: argparse.ArgumentParser) -> None:
+    _add_model_args(p)
+    p.add_argument("--trace", default=None, metavar="PATH",
+                   help="simulate a recorded trace (file or trace_dir) instead of --model")
+    p.add_argument("--budget", default=None, metavar="SIZE",
+                   help="activation budget, e.g. 40GiB (default: device memory left after model "
+                        "states, workspace and the runtime's reserve)")
+    p.add_argument("--policies", default=None,
+                   help=f"comma-separated (default: {','.join(DEFAULT_POLICIES)})")
+
+
+def run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        policies = _policies(args.policies)
+        budget = parse_size(args.budget, "--budget")
+        if args.trace and args.model:
+            raise ValueError("give either --model or --trace, not both")
+        hw = _hardware(args, required=not args.trace)
+        if args.trace:
+            trace = load_trace(args.trace)
+            cfg = None
+            for p in policies:
+                if TP_RE.match(p):
+                    raise ValueError(f"--policies: {p} needs a model (--model): a recorded trace "
+                                     f"cannot be re-sharded")
+        else:
+            cfg = _config(args)
+            trace = generate(cfg, hw)
+        link = (hw.d2h, hw.h2d) if hw else trace.link
+        if link is None:
+            raise ValueError("the trace records no link bandwidth; give --hardware")
+        if budget is None and hw is not None:
+            budget = sweeps.default_budget(trace.steps[0], hw)
+        results = {}
+        cache: dict = {}
+        for p in policies:
+            if cfg is not None:
+                results[p], _ = sweeps.evaluate(cfg, hw, p, budget, cache)
+            else:
+                results[p] = run(trace, p, budget, link=link,
+                                 device_bytes=hw.usable_bytes if hw else None,
+                                 host_bytes=hw.host_memory_bytes if hw else None,
+                                 plan_cache=cache)
+    except ValueError as exc:
+        parser.error(str(exc))
+    steps = trace.steps
+    lb = sum(lower_bound(s, budget, *link) for s in steps) / len(steps)
+    if args.json:
+        print(json.dumps({"lower_bound_seconds": lb,
+                          "policies": {k: r.as_dict() for k, r in results.items()}}))
+    else:
+        s0 = steps[0]
+        head = [cfg.describe() if cfg else f"trace: {args.trace} ({len(steps)} steps, "
+                f"{trace.source})"]
+        if hw:
+            head.append(_hw_line(hw))
+        else:
+            head.append(f"link: {link[0] / 1e9:.2f}/{link[1] / 1e9:.2f} GB/s (D2H/H2D, recorded)")
+        head.append(f"model states {format_bytes(s0.model_state_bytes)}, workspace "
+                    f"{format_bytes(s0.workspace_bytes)}, natural activation peak "
+                    f"{format_bytes(max(s.activation_bytes for s in steps))}, budget "
+                    f"{format_bytes(budget)}")
+        compute = sum(s.compute_seconds for s in steps) / len(steps)
+        head.append(f"compute {compute:.4f} s per step; lower bound for any swap schedule "
+                    f"holding the budget {lb:.4f} s")
+        rows = [[k, r.step_seconds, r.stall_seconds, r.step_seconds / lb if lb else None,
+                 report.gib(r.peak_bytes), report.gib(r.moved_bytes),
+                 report.gib(r.device_bytes), r.fits] for k, r in results.items()]
+        print("\n".join(head) + "\n")
+        print(report.table(["policy", "step s", "stall s", "x bound", "peak", "moved",
+                            "device need", "fits"], rows), end="")
+    if args.plot:
+        try:
+            report.plot_simulate(results, lb, hw.usable_bytes if hw else None,
+                                 head_title(cfg, hw, budget), args.plot)
+        except ValueError as exc:
+            parser.error(str(exc))
+    return 0
+
+
+def head_title(cfg, hw, budget) -> str:
+    what = cfg.describe() if cfg else "recorded trace"
+    return f"{what}\non {hw.name if hw else 'recorded link'}, budget {format_bytes(budget)}"
+
+
+# ------------------------------------------------------------------------------ capacity
+CAPACITY_HELP = "per policy: the largest model, sequence and micro-batch that fit a device"
+
+
+def configure_capacity(p: argparse.ArgumentParser) -> None:
+    _add_model_args(p)
+    p.add_argument("--policies", default=None,
+                   help=f"comma-separated (default: {','.join(POLICIES)})")
+
+
+def run_capacity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        policies = _policies(args.policies, POLICIES)
+        hw = _hardware(args)
+        cfg = _config(args)
+        generate(cfg, hw)              # fail fast on a dtype the hardware lacks
+    except ValueError as exc:
+        parser.error(str(exc))
+    with report.progress(3 * len(policies), "capacity", not args.json) as advance:
+        cap = sweeps.capacity(cfg, hw, policies, advance)
+    if args.json:
+        print(json.dumps({"hardware": hw.name, "model": cfg.name, "seq": cfg.seq,
+                          "micro_batch": cfg.micro_batch, "device_memory_bytes":
+                          hw.device_memory_bytes, "policies": cap}))
+    else:
+        print(capacity_text(cap, cfg, hw))
+    if args.plot:
+        try:
+            report.plot_capacity(cap, f"capacity on {hw.name}: {cfg.describe()}", args.plot)
+        except ValueError as exc:
+            parser.error(str(exc))
+    return 0
+
+
+def capacity_text(cap: dict, cfg: ModelConfig, hw, markdown: bool = False) -> str:
+    out = [] if markdown else [_hw_line(hw), cfg.describe(), ""]
+    specs = (("model", f"largest dense preset at seq {cfg.seq} x micro-batch {cfg.micro_batch}",
+              lambda p: f"{p['model']} ({p['params'] / 1e9:.1f}B)"),
+             ("seq", f"longest sequence for {cfg.name} at micro-batch {cfg.micro_batch}",
+              lambda p: p["seq"]),
+             ("micro_batch", f"largest micro-batch for {cfg.name} at seq {cfg.seq}",
+              lambda p: p["micro_batch"]))
+    for axis, title, show in specs:
+        rows = []
+        for pol, row in cap.items():
+            p = row[axis]
+            rows.append([pol, show(p) if p else "does not fit",
+                         p["tokens_per_second"] if p else None,
+                         f"{p['demand_ratio']:.2f}x" if p else None,
+                         report.gib(p["moved_bytes"]) if p else None])
+        out.append(("**" + title + "**") if markdown else title + ":")
+        out.append(report.table(["policy", "fits up to", "tokens/s", "demand / device memory",
+                                 "moved per step"], rows, markdown))
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------ compare
+COMPARE_HELP = "chameleon vs recomputation vs tensor-parallel degree at equal memory, by model"
+
+
+def configure_compare(p: argparse.ArgumentParser) -> None:
+    _add_model_args(p)
+    p.add_argument("--models", default=None,
+                   help=f"comma-separated presets (default: {','.join(family())})")
+    p.add_argument("--degrees", default="1,2,4,8",
+                   help="tensor-parallel degrees to try, smallest first (default 1,2,4,8)")
+
+
+def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        hw = _hardware(args)
+        models = ([m.strip() for m in args.models.split(",") if m.strip()] if args.models
+                  else ([args.model] if args.model else family()))
+        for m in models:
+            preset(m)
+        degrees = _degrees(args.degrees)
+        settings = dict(seq=args.seq, micro_batch=args.micro_batch, dtype=args.dtype,
+                        flash=args.flash, dp_shard=args.dp_shard)
+        generate(preset(models[0], **settings), hw)
+    except ValueError as exc:
+        parser.error(str(exc))
+    with report.progress(len(models) * len(sweeps.APPROACHES), "compare",
+                         not args.json) as advance:
+        rows = sweeps.compare(models, hw, settings, degrees, advance)
+    if args.json:
+        print(json.dumps({"hardware": hw.name, "settings": settings, "models": rows}))
+    else:
+        print(_hw_line(hw))
+        print(f"seq {args.seq} x micro-batch {args.micro_batch}, {args.dtype}, flash "
+              f"{'on' if args.flash else 'off'}; each approach at the smallest tensor-parallel "
+              f"degree that fits\n")
+        print(compare_text(rows), end="")
+    if args.plot:
+        try:
+            report.plot_compare(rows, f"{hw.name}: tokens/s per device, seq {args.seq} x "
+                                      f"mb {args.micro_batch}", args.plot)
+        except ValueError as exc:
+            parser.error(str(exc))
+    return 0
+
+
+def compare_text(rows: list[dict], markdown: bool = False) -> str:
+    def cell(x):
+        return f"tp{x['tp']}: {x['tokens_per_second_per_device']:.0f}" if x else "does not fit"
+    table_rows = [[r["model"], f"{r['params'] / 1e9:.1f}B", cell(r["chameleon"]),
+                   cell(r["full-recompute"]), cell(r["selective-recompute"]), cell(r["none"]),
+                   report.pct(r["vs_full_recompute"]), report.pct(r["vs_selective_recompute"]),
+                   report.pct(r["vs_tensor_parallel"])] for r in rows]
+    return report.table(["model", "params", "chameleon tok/s/dev", "full recompute",
+                         "selective recompute", "tensor parallel only", "chameleon vs full",
+                         "vs selective", "vs higher TP"], table_rows, markdown)
+
+
+def _degrees(text: str) -> list[int]:
+    try:
+        ds = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise ValueError(f"--degrees must be comma-separated positive ints; got {text!r}") from None
+    if not ds or ds[0] < 1:
+        raise ValueError(f"--degrees must be comma-separated positive ints; got {text!r}")
+    return ds
+
+
+# ------------------------------------------------------------------------------ trace
+TRACE_HELP = "write a trace: analytic (--model, --hardware) or recorded from a workload run"
+
+
+def configure_trace(p: argparse.ArgumentParser) -> None:
+    _add_model_args(p)
+    p.add_argument("--workload", default=None, metavar="NAME",
+                   help="record a real run of a registered workload (e.g. llama-varlen, moe)")
+    p.add_argument("--size", default="small", help="workload size (default small)")
+    p.add_argument("--steps", type=int, default=4, help="recorded steps (default 4)")
+    p.add_argument("--budget", default=None, metavar="SIZE",
+                   help="engine budget while recording (default: unlimited)")
+    p.add_argument("--policy", default="guard", help="engine policy while recording")
+    p.add_argument("--device", default="cpu", help="device of the recorded run (default cpu)")
+    p.add_argument("--out", required=True, metavar="PATH",
+                   help="trace file (analytic) or directory (recorded, one file per step)")
+
+
+def run_trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        if bool(args.workload) == bool(args.model):
+            raise ValueError("give either --model (with --hardware) for an analytic trace or "
+                             "--workload for a recorded one")
+        if args.model:
+            hw = _hardware(args)
+            trace = generate(_config(args), hw)
+            path = save_trace(trace, args.out)
+            msg = (f"wrote {path}: analytic trace of {trace.meta['model']['name']} on {hw.name}, "
+                   f"{len(trace.steps[0].tensors)} saved tensors, "
+                   f"{format_bytes(trace.steps[0].activation_bytes)} of activations")
+        else:
+            from .record import record
+            budget = parse_size(args.budget, "--budget")
+            if args.steps < 1:
+                raise ValueError(f"--steps must be a positive int; got {args.steps}")
+            with report.progress(args.steps, "recording", not args.json) as advance:
+                trace = record(args.workload, args.out, steps=args.steps, size=args.size,
+                               budget=budget, policy=args.policy, device=args.device,
+                               advance=advance)
+            msg = (f"wrote {len(trace.steps)} step traces to {args.out}: workload "
+                   f"{args.workload} ({args.size}) on {args.device}")
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.json:
+        print(json.dumps({"path": str(args.out), "steps": len(trace.steps),
+                          "source": trace.source}))
+    else:
+        print(msg)
+    return 0
