@@ -9,10 +9,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 import warnings
 import weakref
-from typing import Iterator, Optional
+from pathlib import Path
+from typing import Iterator, Optional, Union
 
 import torch
 
@@ -102,6 +104,10 @@ class Chameleon:
             length differs by more than ``length_tolerance`` (relative) or the cosine similarity
             of the two sequences is below ``min_similarity``; defaults 5% and 0.95.
         plan_cache_size: plans kept, one per operator-sequence signature (LRU).
+        trace_dir: a directory (created if missing) that receives every step's trace for the
+            simulator, ``step-<n>.json`` (``chameleon_swap.sim.load(trace_dir)`` reads them
+            back): its slot times, saved tensors and what it measured. Every step is then
+            profiled in detailed (timed) mode. None (default) writes nothing.
 
     Use it as a context manager, and mark each iteration (forward and backward) with ``step()``::
 
@@ -117,12 +123,14 @@ class Chameleon:
                  min_tensor_bytes: SizeLike = DEFAULT_MIN_TENSOR_BYTES,
                  device_memory_limit: SizeLike = None, policy: str = "chameleon",
                  host_memory_limit: SizeLike = None, length_tolerance: float = 0.05,
-                 min_similarity: float = 0.95, plan_cache_size: int = 16) -> None:
+                 min_similarity: float = 0.95, plan_cache_size: int = 16,
+                 trace_dir: Optional[Union[str, os.PathLike]] = None) -> None:
         self.config = EngineConfig(budget=budget, min_tensor_bytes=min_tensor_bytes,
                                    device_memory_limit=device_memory_limit, policy=policy,
                                    host_memory_limit=host_memory_limit,
                                    length_tolerance=length_tolerance, min_similarity=min_similarity,
                                    plan_cache_size=plan_cache_size)
+        self._trace_dir = _trace_dir(trace_dir)   # checked before anything is allocated
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = resolve_device(device, "device")
@@ -139,6 +147,7 @@ class Chameleon:
         self._policy.bandwidth_fn = self._bandwidth
         self._ex.policy = self._policy
         self._prev_ids: Optional[list] = None
+        self._state_bytes = 0                     # device bytes allocated when a step began
         # Global module hooks, registered once for the engine's life and idle outside a step:
         # re-registering them every step would change the hook ids torch.compile guards on and
         # recompile every compiled module every step.
@@ -221,7 +230,10 @@ class Chameleon:
         budget = self._step_budget()
         self._ex.begin_step(budget)
         self._policy.begin_step()
-        self._profiler.begin_step(detailed=self._policy.wants_detail())
+        # A traced step is timed: the simulator needs every slot's duration.
+        self._profiler.begin_step(detailed=self._policy.wants_detail() or self._trace_dir is not None)
+        self._state_bytes = (torch.cuda.memory_allocated(self.device)
+                             if self._trace_dir is not None and self.device.type == "cuda" else 0)
         self._module_starts = []
         t0 = time.perf_counter()
         failed = False
@@ -290,6 +302,8 @@ class Chameleon:
                 forced_offloads=counters.forced_offloads, kept_bytes=counters.kept_bytes)
             self.history.append(stats)
             log.info("%s", stats)
+            if self._trace_dir is not None and not failed:
+                self._write_trace(profile, stats)
             if counters.saved_bytes == 0 and counters.foreign_bytes > 0 and not self._warned_foreign:
                 self._warned_foreign = True
                 warnings.warn(f"chameleon-swap: this step saved {format_bytes(counters.foreign_bytes)} "
@@ -297,6 +311,18 @@ class Chameleon:
                               "pass device= to manage them", RuntimeWarning, stacklevel=4)
         finally:
             self._in_step = False
+
+    def _write_trace(self, profile, stats: StepStats) -> None:
+        from .sim.trace import write_step
+        measured = {k: getattr(stats, k) for k in (
+            "step_seconds", "peak_resident_bytes", "budget_bytes", "stall_seconds",
+            "offloaded_bytes", "sync_fetches", "forced_offloads", "plan_source")}
+        # On CUDA the model state is what was allocated when the step began (weights, gradients,
+        # optimizer states); on the CPU the engine cannot tell it from other memory: 0.
+        write_step(self._trace_dir, stats.step, profile, measured=measured,
+                   meta={"device": str(self.device), "torch": torch.__version__,
+                         "policy": self.policy, "min_tensor_bytes": self.config.min_tensor_bytes},
+                   link=self._bandwidth(), model_state_bytes=self._state_bytes)
 
     # ------------------------------------------------------------------ module hooks
     def _module_pre(self, module: torch.nn.Module, args) -> None:
@@ -318,6 +344,19 @@ class Chameleon:
             # Fires when the gradient of this module's output is ready: just before backward
             # reaches the tensors this module saved.
             t.register_hook(self._ex.backward_trigger)
+
+
+def _trace_dir(value) -> Optional[Path]:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"trace_dir must be a directory path (str or os.PathLike) or None; "
+                        f"got {type(value).__name__} {value!r}")
+    path = Path(value)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"trace_dir must be a directory; {str(path)!r} is a file")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def _eager(fn):
