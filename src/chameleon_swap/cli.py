@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 from chameleon_swap._version import __version__
 from chameleon_swap.config import available_host_memory, format_bytes, parse_size, total_host_memory
 from chameleon_swap.bench import commands as _bench
+from chameleon_swap.sim import commands as _sim
 
 # torch (and everything that imports it) is imported inside the commands that need it: importing
 # it takes seconds, and `--version`, `--help` and usage errors should answer at once.
@@ -133,6 +134,11 @@ COMMANDS: dict[str, tuple[str, Configure, Run]] = {
     "bench": (_bench.BENCH_HELP, _bench.configure_bench, _bench.run_bench),
     "info": ("show the device, copy bandwidth, pinned memory and host RAM",
              _configure_info, _run_info),
+    # The simulator's commands live in chameleon_swap.sim.commands (no torch needed).
+    "simulate": (_sim.SIMULATE_HELP, _sim.configure_simulate, _sim.run_simulate),
+    "capacity": (_sim.CAPACITY_HELP, _sim.configure_capacity, _sim.run_capacity),
+    "compare": (_sim.COMPARE_HELP, _sim.configure_compare, _sim.run_compare),
+    "trace": (_sim.TRACE_HELP, _sim.configure_trace, _sim.run_trace),
 }
 
 
