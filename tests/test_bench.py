@@ -49,7 +49,7 @@ def test_meter_counts_new_storages_until_they_die_and_nothing_else():
         assert m.live_bytes == 4000
         c = base.clone()
     assert m.peak_bytes == 8000 and m.live_bytes == 8000
-    assert m.curve[0] == (0.0, 0) and max(x for _, x in m.curve) == 8000
+    assert m.curve[0][1:] == (0, 0) and max(x for _, x, _ in m.curve) == 8000
     del b, c
 
 
@@ -203,16 +203,24 @@ def test_engine_runs_hold_their_budget_and_move_bytes(sweep):
             assert r["activation_peak_bytes"] is None and r["sequence_changes"] is None
 
 
-def test_fits_compares_the_peak_with_the_memory_the_budget_implies(sweep):
+def test_fits_compares_each_step_with_the_memory_its_budget_implies(sweep):
     _, recs, _ = sweep
     for w in ("llama-varlen", "moe"):
-        none = [r for r in recs if r["workload"] == w and r["baseline"] == "none"]
-        for r in none:                    # no engine keeps every activation: never fits below 100%
-            assert r["memory_cap_bytes"] == r["peak_bytes"] - r["natural_peak_bytes"] + r["budget_bytes"]
-            assert r["fits"] is False
-        full = [r for r in recs if r["workload"] == w and r["baseline"] == "full-recompute"]
-        assert all(f["peak_bytes"] < n["peak_bytes"] for f, n in zip(full, none))
-        assert all(r["ratio_vs_none"] == 1.0 for r in none)
+        rows = [r for r in recs if r["workload"] == w]
+        none = {r["budget"]: r for r in rows if r["baseline"] == "none"}
+        for r in rows:
+            caps = [s["memory_cap_bytes"] for s in r["per_step"]]
+            assert len(caps) == len(r["per_step"]) and r["memory_cap_bytes"] == max(caps)
+            # The same caps for every baseline: they come from the no-engine run.
+            assert caps == [s["memory_cap_bytes"] for s in none[r["budget"]]["per_step"]]
+        # Holding activations to 30% needs less memory than keeping them all...
+        assert none["30%"]["memory_cap_bytes"] < none["30%"]["peak_bytes"]
+        assert none["30%"]["fits"] is False
+        assert all(r["ratio_vs_none"] == 1.0 for r in none.values())
+        # ...and every engine run, which holds its activations to the budget, fits.
+        assert all(r["fits"] is True for r in rows if r["budget_applies"])
+        full = [r for r in rows if r["baseline"] == "full-recompute"]
+        assert all(f["peak_bytes"] < none["30%"]["peak_bytes"] for f in full)
 
 
 def test_curves_are_recorded_for_the_largest_step(sweep):
@@ -331,3 +339,19 @@ def test_engine_baseline_uses_the_public_engine():
     assert isinstance(b.engine, cs.Chameleon) and b.engine.budget_bytes == 1234
     assert b.engine.policy == "guard"
     b.close()
+
+
+def test_meter_caps_are_the_memory_with_saved_activations_held_to_each_budget():
+    # Four 40 KB activations saved in forward, a 40 KB gradient-like tensor at the end.
+    w = torch.randn(100, 100, requires_grad=True)
+    x = torch.randn(100, 100)
+    with MemoryMeter(CPU, budgets=(0, 80_000, 10**9)) as m:
+        h = x
+        for _ in range(4):
+            h = torch.tanh(h @ w)           # saves its output (tanh) and its input (mm)
+        h.sum().backward()
+    assert m.largest_saved_bytes == 40_000
+    assert m.caps[10**9] == m.peak_bytes                     # no budget: the step as it ran
+    assert m.caps[0] < m.caps[80_000] < m.caps[10**9]
+    # With nothing saved allowed on the device, only the unsaved bytes remain at each moment.
+    assert m.caps[0] <= m.peak_bytes - 3 * 40_000

@@ -19,9 +19,12 @@ and reported as ``oom``; the sweep goes on.
 Budgets are sizes ("512MiB") or fractions of the workload's natural activation peak ("30%"), the
 most bytes one step of the schedule saves for backward with nothing moved, measured first by an
 engine with no budget. Baselines that know no budget run once per workload; each budget then asks
-whether they fit: ``memory_cap_bytes`` is what the step would need if its activations were held to
-the budget (``none``'s peak minus the natural activation peak plus the budget), and ``fits`` is
-``peak_bytes <= memory_cap_bytes``.
+whether they fit: ``memory_cap_bytes`` is the memory the no-engine step would have needed had its
+saved activations been held to the budget at every moment (measured on its metered steps:
+``MemoryMeter.caps``), what an ideal swapper with free copies would need. A run ``fits`` when on
+every step its peak is at most that step's cap plus the largest activation the step saved: the
+tensors the running backward node reads must be on the device whatever the budget (the engine
+hands one it could not make room for to autograd outside its budget, as any swapper must).
 """
 from __future__ import annotations
 
@@ -221,14 +224,15 @@ class Run:
     stats: list = field(default_factory=list)         # baseline.stats() per step
     device_peaks: list = field(default_factory=list)  # CUDA: bytes above the step's start
     metered_peaks: list = field(default_factory=list)
+    metered_caps: list = field(default_factory=list)  # none only: {budget bytes: cap} per step
     metered_losses: list = field(default_factory=list)
-    curves: dict = field(default_factory=dict)        # step -> [(s, bytes)] of the metered pass
+    curves: dict = field(default_factory=dict)        # step -> [(s, live, saved)], metered
     oom: bool = False
     error: Optional[str] = None
 
 
 def _passes(runs_and_baselines, schedule, cfg, seed, workload, *, metered: bool,
-            progress: Optional[Progress], curve_steps: set) -> None:
+            progress: Optional[Progress], curve_steps: set, budgets: Sequence[int] = ()) -> None:
     device = cfg.torch_device
     runners = []
     for run, baseline in runs_and_baselines:
@@ -249,10 +253,15 @@ def _passes(runs_and_baselines, schedule, cfg, seed, workload, *, metered: bool,
             return
         try:
             if metered:
-                m = MemoryMeter(device, record_curve=i in curve_steps)
+                # The no-engine run also counts its saved activations, for the memory each
+                # budget implies (``MemoryMeter.caps``).
+                m = MemoryMeter(device, record_curve=i in curve_steps,
+                                budgets=budgets if run.baseline == "none" else ())
                 with m:
                     loss = r.step(batch)
                 run.metered_peaks.append(m.peak_bytes)
+                if m.budgets:
+                    run.metered_caps.append({**m.caps, "largest": m.largest_saved_bytes})
                 run.metered_losses.append(loss)
                 if i in curve_steps:
                     run.curves[i] = m.curve
@@ -325,8 +334,9 @@ def run_workload(cfg: SweepConfig, workload: Workload, progress: Optional[Progre
         _passes(pairs, schedule, cfg, cfg.seed, workload, metered=False, progress=progress,
                 curve_steps=curve_steps)
         if cfg.meter:
+            budgets = sorted({b.resolve(natural) for b in cfg.parsed_budgets})
             _passes(pairs, schedule, cfg, cfg.seed, workload, metered=True, progress=progress,
-                    curve_steps=curve_steps)
+                    curve_steps=curve_steps, budgets=budgets)
     finally:
         for _, base in pairs:
             base.close()

@@ -38,7 +38,8 @@ def records(cfg, workload, runs: list, info: dict, env: dict) -> list[dict]:
             return max(run.device_peaks)
         return max(run.metered_peaks) if run.metered_peaks else None
 
-    none_peak = peak_of(none) if none is not None and not none.error else None
+    # Per step, per budget: the memory the budget implies (see harness), from the no-engine run.
+    caps = none.metered_caps if none is not None and not none.error else []
     none_median = None
     if none is not None and len(none.seconds) == len(schedule):
         none_median = statistics.median(none.seconds[i] for i in timed if schedule[i]["train"])
@@ -47,12 +48,12 @@ def records(cfg, workload, runs: list, info: dict, env: dict) -> list[dict]:
         budgets = [run.budget] if run.budget is not None else cfg.parsed_budgets
         for b in budgets:
             out.append(_record(cfg, workload, run, b, b.resolve(natural), natural, schedule,
-                               timed, none, none_peak, none_median, peak_of(run), env))
+                               timed, none, caps, none_median, peak_of(run), env))
     return out
 
 
 def _record(cfg, workload, run, budget, budget_bytes, natural, schedule, timed, none,
-            none_peak, none_median, peak, env) -> dict:
+            caps, none_median, peak, env) -> dict:
     complete = not run.error and len(run.seconds) == len(schedule)
     train_timed = [i for i in timed if schedule[i]["train"]] if complete else []
     secs = [run.seconds[i] for i in train_timed]
@@ -60,7 +61,8 @@ def _record(cfg, workload, run, budget, budget_bytes, natural, schedule, timed, 
     tokens = sum(schedule[i]["tokens"] for i in train_timed)
     stats = run.stats if complete else []
     tot = lambda k: sum(s.get(k) or 0 for s in stats) if any(k in s for s in stats) else None  # noqa: E731
-    cap = None if none_peak is None else none_peak - natural + budget_bytes
+    step_caps = [c[budget_bytes] for c in caps]
+    cap = max(step_caps) if step_caps else None
     act_peaks = [s["activation_peak_bytes"] for s in stats if "activation_peak_bytes" in s]
     engine = run.baseline in ENGINE_POLICIES
     identical = None
@@ -69,7 +71,12 @@ def _record(cfg, workload, run, budget, budget_bytes, natural, schedule, timed, 
             not run.metered_losses or _equal_losses(run.metered_losses, none.metered_losses))
     elif run is none and complete:
         identical = True
-    fits = None if (peak is None or cap is None) else peak <= cap
+    fits = None
+    if step_caps and len(run.metered_peaks) == len(step_caps):
+        fits = all(p <= c + k["largest"]
+                   for p, c, k in zip(run.metered_peaks, step_caps, caps))
+    elif step_caps and run.oom:
+        fits = False
     per_step = []
     for i, item in enumerate(schedule):
         rec = {"step": i, **item, "timed": i in timed}
@@ -83,6 +90,8 @@ def _record(cfg, workload, run, budget, budget_bytes, natural, schedule, timed, 
                     rec[k] = s[k]
         if i < len(run.metered_peaks):
             rec["metered_peak_bytes"] = run.metered_peaks[i]
+        if i < len(step_caps):
+            rec["memory_cap_bytes"] = step_caps[i]
         if i < len(run.device_peaks):
             rec["device_peak_bytes"] = run.device_peaks[i]
         per_step.append(rec)

@@ -107,10 +107,12 @@ def _memory_figure(plt, workload, records, runs, info, out_dir) -> Optional[Path
         return None
     fig, ax = plt.subplots(figsize=(9, 4.8))
     for run, curve in curves:
-        xs = [t * 1e3 for t, _ in curve]
-        ys = [b / 2**20 for _, b in curve]
+        xs = [t * 1e3 for t, _, _ in curve]
         label = run.label if run.budget is None else f"{run.label} @ {run.budget.label}"
-        ax.step(xs, ys, where="post", label=label, linewidth=1.3)
+        ax.step(xs, [b / 2**20 for _, b, _ in curve], where="post", label=label, linewidth=1.3)
+        if run.baseline == "none":                  # its saved activations, as a shaded area
+            ax.fill_between(xs, [s / 2**20 for _, _, s in curve], step="post", alpha=0.15,
+                            color="grey", label="saved activations (none)")
     caps = {(r["budget"], r["memory_cap_bytes"]) for r in records if r["memory_cap_bytes"]}
     for label, cap in sorted(caps, key=lambda x: x[1]):
         ax.axhline(cap / 2**20, color="grey", linestyle="--", linewidth=0.8)
