@@ -113,11 +113,13 @@ def calibrate(workload: str, *, size: str = "small", steps: int = 8, repeats: in
             m_step = statistics.median(x.step_seconds for x in ms)
             m_peak = statistics.median(x.peak_resident_bytes for x in ms)
             m_stall = statistics.median(x.stall_seconds for x in ms)
+            m_moved = statistics.median(x.offloaded_bytes for x in ms)
             peak = r.counted_peak_bytes if r.counted_peak_bytes is not None else r.peak_bytes
             rows.append({"policy": p, "fraction": f, "step": i, "tag": batches[i].tag,
                          "measured_step_s": m_step, "predicted_step_s": r.step_seconds,
                          "measured_peak_bytes": m_peak, "predicted_peak_bytes": peak,
                          "measured_stall_s": m_stall, "predicted_stall_s": r.stall_seconds,
+                         "measured_moved_bytes": m_moved, "predicted_moved_bytes": r.moved_bytes,
                          "step_error": _err(r.step_seconds, m_step),
                          "peak_error": _err(peak, m_peak)})
     return {"workload": workload, "size": size, "steps": steps, "repeats": repeats,
@@ -173,5 +175,9 @@ def summarize(rows: list[dict]) -> dict:
                                "median_measured_step_s": med(r["measured_step_s"] for r in rs),
                                "median_predicted_step_s": med(r["predicted_step_s"] for r in rs),
                                "median_measured_stall_s": med(r["measured_stall_s"] for r in rs),
-                               "median_predicted_stall_s": med(r["predicted_stall_s"] for r in rs)}
+                               "median_predicted_stall_s": med(r["predicted_stall_s"] for r in rs),
+                               "median_measured_moved_bytes":
+                                   med(r["measured_moved_bytes"] for r in rs),
+                               "median_predicted_moved_bytes":
+                                   med(r["predicted_moved_bytes"] for r in rs)}
     return out

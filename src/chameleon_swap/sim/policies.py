@@ -17,6 +17,10 @@ way, the budget rules of the runtime):
 * ``chameleon``: the planner's plan for each step's own profile (the adaptive loop once a
   sequence has been seen).
 
+Planned policies copy out what their plan moves; copies come back as the runtime issues them:
+the guard underneath prefetches as soon as room allows (``_swap_step``), which is never later than
+the plan's own schedule, so the peak sits at the budget whenever the budget binds.
+
 Recomputation (Chen et al. 2016; Korthikanti et al. 2022) needs the block structure that analytic
 traces carry: ``full-recompute`` keeps only each block's input and re-runs the block's forward
 just before its backward; ``selective-recompute`` drops only the attention core (softmax and
@@ -159,25 +163,11 @@ def _eager(step: Step, move) -> dict:
 
 
 def _frozen_on(frozen: Plan, src: Step, dst: Step) -> Plan:
-    """Apply a plan made for ``src`` to ``dst`` by save position, as the runtime's static policy
-    does: copies back issued at the forward's end stay there; one triggered by the first use of
-    another tensor fires at that tensor's first use in ``dst``."""
-    n_src, n_dst = len(src.tensors), len(dst.tensors)
-    trigger = {t.first_used_at: k for k, t in enumerate(src.tensors)
-               if t.first_used_at < src.n_slots}
-    move, fetch = set(), {}
-    for j in frozen.move:
-        if j >= n_dst or j >= n_src:
-            continue
-        move.add(j)
-        f = frozen.fetch_at.get(j, src.n_forward)
-        if f <= src.n_forward:
-            fetch[j] = dst.n_forward
-        else:
-            k = trigger.get(f)
-            if k is not None and k < n_dst:
-                fetch[j] = dst.tensors[k].first_used_at
-    return Plan(frozenset(move), fetch)
+    """A plan made for ``src`` applied to ``dst`` by save position, as the runtime's static
+    policy (and the adaptive one on a sequence it has not seen) applies it: tensor ``j`` of
+    ``dst`` moves when tensor ``j`` of ``src`` did."""
+    n = min(len(src.tensors), len(dst.tensors))
+    return Plan(frozenset(j for j in frozen.move if j < n))
 
 
 def _swap_step(step: Step, policy: str, budget: Optional[int], d2h: float, h2d: float,
@@ -196,11 +186,13 @@ def _swap_step(step: Step, policy: str, budget: Optional[int], d2h: float, h2d: 
         return simulate(prof, Plan(move, fetch_schedule(prof, move)), None), 0
     if budget is None:
         return simulate(prof, Plan(frozenset()), None), 0
-    if given is not None:
-        return simulate(prof, Plan(given.move, given.fetch_at), budget), largest
-    if policy == "chameleon" or policy == "static":
-        return make_plan(prof, budget).predicted, largest
-    move = guard_moves(step, budget, min_tensor_bytes)       # the guard (and cold starts)
+    if policy in ("chameleon", "static"):
+        move = (given or make_plan(prof, budget)).move
+    else:
+        move = guard_moves(step, budget, min_tensor_bytes)   # the guard (and cold starts)
+    # Copies back as the runtime issues them: the guard under every policy prefetches each
+    # tensor on the host, in the order backward needs them, as soon as there is room (a plan's
+    # later copy-back slot never holds one back); the planner's own schedule is never later.
     return simulate(prof, Plan(move, _eager(step, move)), budget), largest
 
 
