@@ -215,3 +215,23 @@ def test_plan_cache_size_is_validated(bad):
 def test_thresholds_are_validated(name, bad):
     with pytest.raises((ValueError, TypeError), match=name):
         cs.Chameleon(None, device="cpu", **{name: bad})
+
+
+def test_a_plan_made_for_long_sequences_moves_nothing_on_a_short_step_that_fits():
+    """Fuzzy application scales the plan to the step: a plan for T=48 applied to T=8 steps,
+    whose whole natural peak fits the budget, must not copy anything out (it did, by position,
+    before: 7 MiB a step on the demo's Llama); a middle length moves about what it must."""
+    model = llama()
+    long, short = batch(2, 48, 0), batch(2, 8, 1)
+    budget = int(natural_peak(model, long) * 0.5)
+    assert natural_peak(model, short) <= budget
+    schedule = [(batch(2, 48, i), True) for i in range(3)]            # plan made and cached
+    schedule += [(batch(2, 8, 10 + i), True) for i in range(3)]       # a new, short sequence
+    schedule += [(batch(2, 32, 20), True)]
+    stats = run_schedule(model, schedule, budget, "chameleon")
+    assert any(s.plan_source in ("planned", "cache") for s in stats[:3])
+    for s in stats[3:6]:
+        assert s.plan_source == "planned" and s.offloaded_bytes == 0, s
+    mid = stats[6]
+    need = mid.saved_bytes - budget
+    assert need > 0 and mid.offloaded_bytes <= 1.5 * need + max(mid.saved_bytes // 10, 1), mid

@@ -46,6 +46,9 @@ class PlanEntry:
     predicted_stall_seconds: float
     predicted_peak_bytes: int
     detailed: bool                      # made from a timed profile (else from estimates)
+    nbytes: list[int] = field(default_factory=list)   # per span, as profiled
+    moved_bytes: int = 0                # bytes the plan moves out
+    budget_bytes: int = 0               # the budget it was made for
     made_at: int = 0
     last_used: int = 0
     _index: Optional[KeyIndex] = field(default=None, repr=False)
@@ -116,6 +119,9 @@ def compile_plan(profile, tl_plan, step: int) -> PlanEntry:
                      n_forward=n, move=move, triggers=triggers, at_forward_end=at_end,
                      predicted_stall_seconds=float(pred.stall_seconds) if pred else 0.0,
                      predicted_peak_bytes=int(pred.peak_bytes) if pred else 0,
+                     nbytes=list(profile.nbytes),
+                     moved_bytes=sum(profile.nbytes[j] for j in tl_plan.move),
+                     budget_bytes=tl_plan.budget or 0,
                      detailed=profile.detailed, made_at=step, last_used=step)
 
 
@@ -148,6 +154,9 @@ class ChameleonPolicy:
         self._ended_forward = False
         self._applied: Optional[PlanEntry] = None
         self._fuzzy_used = False
+        self._plan_bytes = 0                # matched spans: their bytes in the plan ...
+        self._step_bytes = 0                # ... and this step's bytes of the same tensors
+        self._fuzzy_moved = 0               # bytes moved on a fuzzily matched plan's word
         self.overrides = 0                  # planned-resident records the guard had to move
 
     def wants_detail(self) -> bool:
@@ -239,14 +248,35 @@ class ChameleonPolicy:
             return
         self._span_of[rec.index] = span
         self._rec_of[span] = rec
-        if plan.move[span]:
+        if span < len(plan.nbytes):
+            self._plan_bytes += plan.nbytes[span]
+            self._step_bytes += rec.nbytes
+        if plan.move[span] and (self._active is not None or self._fuzzy_wants_more(plan)):
             if rec.state == RESIDENT and rec.counted:
                 self.ex.offload(rec)
                 self.guard._inflight.append(rec)
+                if self._active is None:
+                    self._fuzzy_moved += rec.nbytes
         else:
             self._kept.append(rec)
         if self._active is not None and rec.index == plan.n_forward - 1:
             self._forward_end()
+
+    def _fuzzy_wants_more(self, plan: PlanEntry) -> bool:
+        """A plan made for another sequence says "move this one": worth it only while this step
+        has moved less than it must. Its tensors so far, against the plan's for the same spans,
+        scale the plan's natural peak to this step's; what must go is that minus the budget,
+        with the plan's own margin (moved over needed) on top. A plan for long sequences
+        applied to a short one moves nothing when the short step fits; the guard still holds
+        the budget if the estimate was low."""
+        if self._plan_bytes <= 0:
+            return True
+        natural = sum(plan.nbytes) * self._step_bytes / self._plan_bytes
+        need = natural - self.ex.budget
+        plan_need = sum(plan.nbytes) - plan.budget_bytes
+        if plan_need > 0:
+            need *= max(1.0, plan.moved_bytes / plan_need)
+        return self._fuzzy_moved < need
 
     # ------------------------------------------------------------------ backward
     def _forward_end(self) -> None:
