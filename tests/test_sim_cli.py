@@ -167,3 +167,16 @@ def test_calibration_code_path_on_a_tiny_run():
         assert row["peak_error"] is not None and row["step_error"] is not None
     # Peaks are the engine's own accounting, which the timeline models: none is exact.
     assert all(r["peak_error"] == 0 for r in res["rows"] if r["policy"] == "none")
+
+
+def test_model_from_a_json_file(capsys, tmp_path):
+    f = tmp_path / "mymoe.json"
+    f.write_text(json.dumps({"layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2,
+                             "vocab": 1000, "experts": 4, "top_k": 2}))
+    out = run_json(capsys, ["simulate", "--model", str(f), *SIM, "--seq", "512",
+                            "--policies", "none,chameleon", "--json"])
+    assert out["policies"]["none"]["fits"] is True
+    f.write_text(json.dumps({"layerz": 2}))
+    with pytest.raises(SystemExit):
+        cli.main(["simulate", "--model", str(f), *SIM])
+    assert "unknown: ['layerz']" in capsys.readouterr().err

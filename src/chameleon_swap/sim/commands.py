@@ -14,7 +14,7 @@ from . import report, sweeps
 from .analytic import generate
 from .hardware import builtin_names
 from .hardware import load as load_hardware
-from .models import PRESETS, ModelConfig, family, preset
+from .models import PRESETS, ModelConfig, family, preset, resolve
 from .policies import POLICIES, TP_RE, check_policy, lower_bound, run
 from .trace import load as load_trace
 from .trace import save as save_trace
@@ -25,8 +25,9 @@ DEFAULT_MODEL = "llama-7b"
 
 # ------------------------------------------------------------------------------ shared arguments
 def _add_model_args(p: argparse.ArgumentParser, model_required: bool = False) -> None:
-    p.add_argument("--model", required=model_required, default=None, metavar="NAME",
-                   help=f"a preset: {', '.join(PRESETS)}")
+    p.add_argument("--model", required=model_required, default=None, metavar="NAME|FILE",
+                   help=f"a preset ({', '.join(PRESETS)}) or a JSON file of ModelConfig fields "
+                        f"(layers, hidden, heads, kv_heads, ffn, vocab, experts, top_k, ...)")
     p.add_argument("--hardware", required=False, default=None, metavar="NAME|FILE",
                    help=f"a built-in profile ({', '.join(builtin_names())}) or a JSON file")
     p.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
@@ -43,8 +44,8 @@ def _add_model_args(p: argparse.ArgumentParser, model_required: bool = False) ->
 
 def _config(args, name: Optional[str] = None) -> ModelConfig:
     name = name or args.model or DEFAULT_MODEL
-    return preset(name, seq=args.seq, micro_batch=args.micro_batch, dtype=args.dtype,
-                  flash=args.flash, tp=args.tp, dp_shard=args.dp_shard)
+    return resolve(name, seq=args.seq, micro_batch=args.micro_batch, dtype=args.dtype,
+                   flash=args.flash, tp=args.tp, dp_shard=args.dp_shard)
 
 
 def _hardware(args, required: bool = True):
@@ -79,7 +80,9 @@ SIMULATE_HELP = "simulate every policy on a model (or a recorded trace) at a bud
 def configure_simulate(p: argparse.ArgumentParser) -> None:
     _add_model_args(p)
     p.add_argument("--trace", default=None, metavar="PATH",
-                   help="simulate a recorded trace (file or trace_dir) instead of --model")
+                   help="simulate a trace (file or trace_dir) instead of --model; its compute "
+                        "stays as recorded, --hardware (optional) then gives the link and the "
+                        "memory that 'fits' is judged against (without it, fits is null)")
     p.add_argument("--budget", default=None, metavar="SIZE",
                    help="activation budget, e.g. 40GiB (default: device memory left after model "
                         "states, workspace and the runtime's reserve)")
@@ -141,12 +144,19 @@ def run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         compute = sum(s.compute_seconds for s in steps) / len(steps)
         head.append(f"compute {compute:.4f} s per step; lower bound for any swap schedule "
                     f"holding the budget {lb:.4f} s")
-        rows = [[k, r.step_seconds, r.stall_seconds, r.step_seconds / lb if lb else None,
-                 report.gib(r.peak_bytes), report.gib(r.moved_bytes),
-                 report.gib(r.device_bytes), r.fits] for k, r in results.items()]
+        rows = []
+        for k, r in results.items():
+            m = TP_RE.match(k)
+            degree = int(m.group(1)) if m else (cfg.tp if cfg else 1)
+            # A tpN step is another (per-device) step: the bound above is not its bound.
+            rows.append([k, r.step_seconds, r.stall_seconds,
+                         None if m or not lb else r.step_seconds / lb,
+                         r.tokens_per_second / degree if r.tokens else None,
+                         report.gib(r.peak_bytes), report.gib(r.moved_bytes),
+                         report.gib(r.device_bytes), r.fits])
         print("\n".join(head) + "\n")
-        print(report.table(["policy", "step s", "stall s", "x bound", "peak", "moved",
-                            "device need", "fits"], rows), end="")
+        print(report.table(["policy", "step s", "stall s", "x bound", "tok/s/device", "peak",
+                            "moved", "device need", "fits"], rows), end="")
     if args.plot:
         try:
             report.plot_simulate(results, lb, hw.usable_bytes if hw else None,

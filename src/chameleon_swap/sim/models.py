@@ -12,8 +12,10 @@ run settings, not part of a model, and are given separately.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from .hardware import DTYPE_BYTES
@@ -139,7 +141,8 @@ class ModelConfig:
         return (f"{self.name}: {self.params() / 1e9:.2f}B params, {self.layers} layers, hidden "
                 f"{self.hidden}, {self.heads} heads ({self.kv_heads} kv), ffn {self.ffn}{moe}, "
                 f"vocab {self.vocab}; seq {self.seq} x micro-batch {self.micro_batch}, "
-                f"{self.dtype}, flash {'on' if self.flash else 'off'}, tp {self.tp}")
+                f"{self.dtype}, flash {'on' if self.flash else 'off'}, tp {self.tp}"
+                + (f", ZeRO-1 over {self.dp_shard}" if self.dp_shard > 1 else ""))
 
 
 def _swiglu(h: int) -> int:
@@ -181,6 +184,34 @@ def preset(name: str, **overrides) -> ModelConfig:
     kw = dict(PRESETS[name])
     kw.update({k: v for k, v in overrides.items() if v is not None})
     return ModelConfig(name=name, **kw)
+
+
+def resolve(name_or_path: str, **overrides) -> ModelConfig:
+    """A preset by name, or a JSON file of ``ModelConfig`` fields (any shape: layers, hidden,
+    heads, kv_heads, ffn, vocab, experts, top_k, ...), with ``overrides`` applied."""
+    if name_or_path in PRESETS:
+        return preset(name_or_path, **overrides)
+    path = Path(name_or_path)
+    if not (name_or_path.endswith(".json") or path.is_file()):
+        raise ValueError(f"model must be one of {', '.join(PRESETS)}, or a JSON file of "
+                         f"ModelConfig fields; got {name_or_path!r}")
+    if not path.is_file():
+        raise ValueError(f"model: no such file {name_or_path!r}")
+    try:
+        fields = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"model: {name_or_path} is not valid JSON ({exc})") from exc
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    if not isinstance(fields, dict) or set(fields) - known:
+        bad = sorted(set(fields) - known) if isinstance(fields, dict) else fields
+        raise ValueError(f"model: {name_or_path} must hold an object of ModelConfig fields "
+                         f"({', '.join(sorted(known))}); unknown: {bad}")
+    fields.setdefault("name", path.stem)
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return ModelConfig(**fields)
+    except TypeError as exc:
+        raise ValueError(f"model: {name_or_path}: {exc}") from exc
 
 
 def family() -> list[str]:
