@@ -80,6 +80,7 @@ def pct(x) -> str:
 def main(argv=None) -> int:
     a = parse_args(argv)
     device = torch.device(a.device)
+    env = C.environment(device)       # before running: the commit whose code is measured
     runs = {}
     with C.progress(len(a.threads) * len(a.workloads) * (a.repeats + 1) * a.steps,
                     "calibrating") as advance:
@@ -88,7 +89,6 @@ def main(argv=None) -> int:
             runs[n] = {w: calibrate(w, size=a.size, steps=a.steps, repeats=a.repeats,
                                     fractions=tuple(a.fractions), policies=POLICIES,
                                     device=a.device, advance=advance) for w in a.workloads}
-    env = C.environment(device)
     payload = {"benchmark": "calibrate_sim", "environment": env,
                "config": {"workloads": a.workloads, "size": a.size, "steps": a.steps,
                           "repeats": a.repeats, "fractions": a.fractions, "threads": a.threads,
