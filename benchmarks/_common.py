@@ -62,3 +62,22 @@ def have_matplotlib() -> bool:
 
 def now() -> float:
     return time.perf_counter()
+
+
+def add_threads_argument(p) -> None:
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU compute threads (default on the CPU: all cores but one, left to the "
+                        "copy threads, as the bench harness does)")
+
+
+def apply_threads(a) -> None:
+    """On the CPU, leave one core to the engine's copy workers (a GPU's copy engines run beside
+    its compute units); every mode of the run uses the same setting, so ratios stay fair."""
+    import os
+    if a.threads is None and not str(a.device).startswith("cuda"):
+        a.threads = max(1, (os.cpu_count() or 2) - 1)
+    if a.threads is not None:
+        if a.threads < 1:
+            raise SystemExit(f"--threads must be a positive int; got {a.threads}")
+        torch.set_num_threads(a.threads)
+

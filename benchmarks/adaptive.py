@@ -44,12 +44,14 @@ SCENARIOS = ("lengths", "moe", "layer_drop", "eval")
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    C.add_threads_argument(p)
     p.add_argument("--steps", type=int, default=None, help="steps per scenario")
     p.add_argument("--fraction", type=float, default=0.3, help="budget / natural peak")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
+    C.apply_threads(a)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda was given but torch.cuda.is_available() is False")
     if not 0 <= a.fraction <= 1:

@@ -36,6 +36,7 @@ FRACTIONS = (1.0, 0.5, 0.2)
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    C.add_threads_argument(p)
     p.add_argument("--reps", type=int, default=None, help="timed repetitions per mode")
     p.add_argument("--warmup", type=int, default=2, help="untimed repetitions per mode")
     p.add_argument("--dim", type=int, default=None)
@@ -45,6 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a tiny configuration (smoke run)")
     p.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     a = p.parse_args(argv)
+    C.apply_threads(a)
     cuda = a.device.startswith("cuda")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda was given but torch.cuda.is_available() is False")

@@ -154,7 +154,11 @@ def screen(summary: dict, figure: Optional[Path], out_dir: Path) -> str:
     for label, vals in rows:
         lines.append(label.ljust(width) + "".join(v.ljust(col) for v in vals))
     ok = summary["budget_held"] and summary["losses_identical"]
-    lines += ["", ("budget held on every step and every loss bit-for-bit the one without the "
+    lines += ["", "cache: the plan made for this exact operator sequence, found again; planned: a "
+              "plan applied tensor by tensor",
+              "(by module, call, ordinal, dtype and shape) to a sequence it was not made for, or "
+              "the previous step's; guard: no plan yet",
+              "", ("budget held on every step and every loss bit-for-bit the one without the "
                    "engine" if ok else "SOMETHING WENT WRONG: see above"),
               f"overall step time with the engine: {summary['overhead_ratio']:.2f}x no engine "
               f"(timed steps)" if summary["overhead_ratio"] else "",
