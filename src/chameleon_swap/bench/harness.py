@@ -157,16 +157,11 @@ class Runner:
 
     def step(self, batch: Batch) -> torch.Tensor:
         with self.baseline.step():
-            if batch.train:
-                loss = self.workload.loss(self.model, batch)
-                loss.backward()
-            else:
-                with torch.no_grad():
-                    loss = self.workload.loss(self.model, batch)
+            loss = self.workload.run(self.model, batch)
         if batch.train and batch.optimizer_step:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
-        return loss.detach()
+        return loss
 
     def fail(self, e: BaseException) -> None:
         self.oom = _is_oom(e)
@@ -200,7 +195,7 @@ def natural_peak(workload: Workload, batches: Sequence[Batch], device: torch.dev
     with Chameleon(None, device=device, policy="guard") as eng:
         for b in probe:
             with eng.step():
-                workload.loss(model, b).backward()
+                workload.run(model, b)
             model.zero_grad(set_to_none=True)
             peaks.append(eng.last_step.peak_resident_bytes)
     del model

@@ -55,11 +55,7 @@ def calibrate(workload: str, *, size: str = "small", steps: int = 8, repeats: in
     def one(batch, eng) -> None:
         model.zero_grad(set_to_none=True)
         with eng.step():
-            if batch.train:
-                wl.loss(model, batch).backward()
-            else:
-                with torch.no_grad():
-                    wl.loss(model, batch)
+            wl.run(model, batch)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 

@@ -34,10 +34,6 @@ def record(workload: str, out_dir, *, steps: int = 4, size: str = "small",
         for batch in batches:
             model.zero_grad(set_to_none=True)
             with eng.step():
-                if batch.train:
-                    wl.loss(model, batch).backward()
-                else:
-                    with torch.no_grad():
-                        wl.loss(model, batch)
+                wl.run(model, batch)
             advance()
     return load(out)

@@ -9,7 +9,8 @@ through this one small interface, so a workload never knows which baseline or en
 * ``batches(steps, device, seed)`` returns the whole schedule up front: what changes from step to
   step (sequence length, routing inputs, dropped layers, image/video bucket, eval steps) is decided
   here on the host, from the seed alone, so every baseline sees exactly the same steps.
-* ``loss(model, batch)`` runs the forward pass and returns a scalar loss.
+* ``loss(model, batch)`` runs the forward pass and returns a scalar loss; ``run(model, batch)``
+  is one whole step of it (backward too when the batch trains).
 * ``block_lists(model)`` names the ``nn.ModuleList`` s of repeated blocks, which recompute baselines
   wrap with activation checkpointing.
 
@@ -52,6 +53,17 @@ class Workload(ABC):
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         return model(*batch.args, **batch.kwargs)
+
+    def run(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """One step of ``batch``: forward and backward when it trains, forward under no_grad when
+        it evaluates. Returns the detached loss. (The optimizer is the caller's.)"""
+        if batch.train:
+            loss = self.loss(model, batch)
+            loss.backward()
+        else:
+            with torch.no_grad():
+                loss = self.loss(model, batch)
+        return loss.detach()
 
     @abstractmethod
     def block_lists(self, model: nn.Module) -> list[nn.ModuleList]:
