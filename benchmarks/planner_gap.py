@@ -16,16 +16,15 @@ import argparse
 import itertools
 import json
 import math
-import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from chameleon_swap.bench.env import cpu_name, git_commit  # torch-free
 from chameleon_swap.planner import (DEFAULT_MAX_EVALS, DEFAULT_MAX_PASSES, DEFAULT_MIN_EVALS,
                                     DEFAULT_WORK, plan)
 from chameleon_swap.timeline import Plan, Profile, Span, natural_peak, simulate
@@ -68,28 +67,6 @@ def optimum(pr: Profile, budget: int) -> tuple[float, int]:
                 if p.budget_ok and p.total_seconds < best:
                     best = p.total_seconds
     return best, tried
-
-
-def git_commit() -> tuple[str, bool]:
-    """(``git rev-parse HEAD``, whether tracked files differ from it)."""
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        return sha, bool(dirty)
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown", False
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def progress(i: int, total: int, what: str, t0: float) -> None:
@@ -181,7 +158,8 @@ def main(argv=None) -> int:
         "big": big,
         "per_instance": rows,
     }
-    sha, dirty = git_commit()
+    commit = git_commit()
+    sha, dirty = commit.removesuffix("-dirty"), commit.endswith("-dirty")
     env = {"python": sys.version.split()[0], "numpy": np.__version__, "commit": sha,
            "dirty": dirty,
            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpu": cpu_name(),

@@ -1,6 +1,7 @@
 """Facts every result file carries (device, torch, commit, ...), and a progress bar.
 
-Shared by the ``bench`` and ``demo`` commands and the scripts under ``benchmarks/``.
+Shared by the ``bench`` and ``demo`` commands and the scripts under ``benchmarks/``; torch is
+imported only where a device is asked about, so torch-free scripts (``planner_gap.py``) use it too.
 """
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def git_commit() -> str:
@@ -31,9 +33,7 @@ def git_commit() -> str:
         return "unknown"
 
 
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
+def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -43,12 +43,21 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
-def device_slug(device: torch.device) -> str:
+def device_name(device: "torch.device") -> str:
+    if device.type == "cuda":
+        import torch
+        return torch.cuda.get_device_name(device)
+    return cpu_name()
+
+
+def device_slug(device: "torch.device") -> str:
     name = device_name(device) if device.type == "cuda" else "cpu"
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
-def environment(device: torch.device) -> dict:
+def environment(device: "torch.device") -> dict:
+    import torch
+
     from .._version import __version__
     env = {"device": str(device), "device_name": device_name(device),
            "torch": torch.__version__, "chameleon_swap": __version__,
