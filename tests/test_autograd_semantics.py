@@ -29,13 +29,7 @@ FRACTIONS = [0.2, 0.0]
 INPLACE_ERROR = "modified by an inplace operation"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    # As in test_engine: tiny models, a small shared machine; both runs share the setting.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")   # see conftest.py
 
 
 def engine(budget, **kw):
@@ -401,48 +395,6 @@ def _compiled_steps(backend, n_steps):
             out.update({f"step {i} {k}": v for k, v in with_grads(m, loss=loss).items()})
         return out
     return fn
-
-
-@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_torch_compile_region_inside_step(backend):
-    """LESSONS 14: a compiled module inside a step is either correct or refused, never silently
-    wrong. On this torch the engine's hooks are plain Python, so AOTAutograd does not inline them
-    and applies them at run time to what the compiled graph saves: the compiled region is managed
-    (it counts against the budget and moves), and results equal the same compiled code without
-    the engine. (Inductor is left out for time: by hand, on ViewsModel, it also matched the same
-    compiled code without the engine bit for bit; both differ from eager, as inductor does.)"""
-    torch._dynamo.reset()
-    history = check(ViewsModel, _compiled_steps(backend, 2), 0.2)
-    # Every step was managed, the one that compiled and the next.
-    assert all(s.offloaded_bytes > 0 for s in history), history
-
-
-class TinyMLP(nn.Module):
-    """One submodule: the module hooks the engine installs run inside the compiled region."""
-
-    def __init__(self):
-        super().__init__()
-        self.inner = nn.Linear(16, 32)
-        self.w2 = nn.Parameter(randn(1, 32, seed=9) / 6)
-
-    def forward(self, x):
-        return (torch.tanh(self.inner(x)) @ self.w2.t()).pow(2).mean()
-
-
-def compiled_frames(eng, n_steps=2) -> int:
-    """Graphs dynamo compiles for a small module over ``n_steps`` steps."""
-    import gc
-
-    from torch._dynamo.testing import CompileCounterWithBackend
-    gc.collect()         # engines of earlier tests that were never closed: their hooks go too
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("eager")
-    compiled = torch.compile(TinyMLP(), backend=counter)
-    for i in range(n_steps):
-        with eng.step() if eng is not None else no_step():
-            compiled(dense(seed=30 + i)).backward()
-    return counter.frame_count
 
 
 @pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")

@@ -21,19 +21,14 @@ from chameleon_swap.bench.harness import SweepConfig, parse_budget, run_sweep
 from chameleon_swap.bench.meter import MemoryMeter
 from chameleon_swap.bench.swap_all import SwapAll
 from chameleon_swap.copy.host_pool import HostPool
-from chameleon_swap.workloads import WORKLOADS, get_workload
+from chameleon_swap.workloads import WORKLOADS
 
 CPU = torch.device("cpu")
 REQUIRED = {"workload", "baseline", "budget_bytes", "step_seconds_median", "peak_bytes", "oom",
             "losses_identical", "device", "torch", "commit", "config"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")   # see conftest.py
 
 
 # --------------------------------------------------------------------------- meter

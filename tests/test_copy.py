@@ -26,12 +26,7 @@ from chameleon_swap.copy.host_pool import HostBuffer, HostMemoryError, HostPool,
 KiB = 2**10
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")   # see conftest.py
 
 
 @pytest.fixture

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import datetime
-import os
 import socket
 import time
 import traceback

@@ -55,15 +55,7 @@ MODELS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    # These models are tiny: intra-op threads buy nothing and, on a small shared machine, OpenMP
-    # threads spinning against the copy workers (and other processes) make steps 10x slower.
-    # The reference and the engine run share the setting, so bitwise comparisons are unaffected.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")   # see conftest.py
 
 
 def engine(budget, **kw):
@@ -95,7 +87,7 @@ def test_bitwise_under_budget(name, fraction, policy):
 def test_moe_routing_differs_between_batches():
     """The MoE cases above mean something only if routing (and so the saved tensors) changes."""
     model = moe()
-    counts, saved = [], []
+    counts = []
     for b in lm_batches(model, [12, 20, 7]):
         with torch.no_grad():
             model(*b)

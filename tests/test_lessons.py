@@ -33,14 +33,7 @@ from _models import FunctionalModel, ViewsModel, randn
 TINY = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    # Tiny models: intra-op threads only fight the copy workers on a small shared machine. The
-    # reference and the engine run share the setting, so bitwise comparisons are unaffected.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")   # see conftest.py
 
 
 def engine(budget, **kw):

@@ -18,13 +18,7 @@ HF = ["hf:llama", "hf:gpt2", "hf:qwen2"]
 ALL = BUILTIN + HF
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    # Tiny models: intra-op threads buy nothing on a small shared machine (as in test_engine).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")   # see conftest.py
 
 
 _cache: dict = {}
