@@ -183,7 +183,7 @@ def test_unlimited_budget_moves_nothing_under_every_policy():
 
 
 def test_plan_cache_is_bounded_lru():
-    from chameleon_swap.policy.planned import PlanCache, PlanEntry
+    from chameleon_swap.policy.plans import PlanCache, PlanEntry
     c = PlanCache(2)
 
     def entry(sig):
