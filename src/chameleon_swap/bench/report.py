@@ -123,11 +123,7 @@ def _memory_figure(plt, workload, records, runs, info, out_dir) -> Optional[Path
     ax.set_xlabel("time within the step (ms, under the meter)")
     ax.set_ylabel("MiB allocated by the step")
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    path = out_dir / f"memory-{_slug(workload)}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out_dir / f"memory-{_slug(workload)}.png")
 
 
 def _throughput_figure(plt, workload, records, runs, info, out_dir) -> Optional[Path]:
@@ -158,11 +154,7 @@ def _throughput_figure(plt, workload, records, runs, info, out_dir) -> Optional[
     if xs_all:
         ax.set_xlim(min(xs_all) * 100 - 5, max(xs_all) * 100 + 5)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out_dir / f"throughput-{_slug(workload)}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out_dir / f"throughput-{_slug(workload)}.png")
 
 
 def _strip_figure(plt, workload, records, runs, info, out_dir) -> Optional[Path]:
@@ -189,8 +181,11 @@ def _strip_figure(plt, workload, records, runs, info, out_dir) -> Optional[Path]
     ax.legend(handles, [*SOURCES, "sequence changed"], fontsize=7, ncol=4, loc="upper center",
               bbox_to_anchor=(0.5, -0.35 if len(rows) < 3 else -0.15))
     ax.set_title(f"{workload}: what served each step")
+    return _save(plt, fig, out_dir / f"steps-{_slug(workload)}.png")
+
+
+def _save(plt, fig, path: Path) -> Path:
     fig.tight_layout()
-    path = out_dir / f"steps-{_slug(workload)}.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
