@@ -1,10 +1,10 @@
 """Tables (plain text, markdown) and matplotlib figures for the simulator's commands."""
 from __future__ import annotations
 
-import sys
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
+from ..bench.env import progress as _progress
 from ..config import format_bytes
 
 
@@ -41,25 +41,13 @@ def pct(x: Optional[float]) -> str:
 
 @contextmanager
 def progress(total: int, description: str, enabled: bool = True) -> Iterator:
-    """Yields ``advance()``: a rich bar on stderr when rich is installed, plain lines otherwise."""
+    """``bench.env.progress`` (a rich bar on a terminal, plain lines otherwise), or nothing when
+    not ``enabled`` (``--json`` keeps stdout and stderr quiet)."""
     if not enabled:
         yield lambda: None
         return
-    try:
-        from rich.console import Console
-        from rich.progress import Progress
-    except ImportError:
-        done = [0]
-
-        def advance() -> None:
-            done[0] += 1
-            if done[0] == total or done[0] % max(1, total // 10) == 0:
-                print(f"{description}: {done[0]}/{total}", file=sys.stderr, flush=True)
+    with _progress(total, description) as advance:
         yield advance
-        return
-    with Progress(console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task(description, total=total)
-        yield lambda: bar.advance(task)
 
 
 def _pyplot():
