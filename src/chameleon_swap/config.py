@@ -72,6 +72,35 @@ def parse_size(value: SizeLike, name: str = "size", *, allow_none: bool = True) 
     raise TypeError(f"{name} must be {_ACCEPTED}; got {type(value).__name__} {value!r}")
 
 
+_BANDWIDTH_ACCEPTED = ("None (measured), a positive number of bytes per second, or a string such "
+                       "as '1GB/s', '54 GB/s', '25GiB/s' (a size per second)")
+
+
+def parse_bandwidth(value, name: str = "link_bandwidth") -> Optional[float]:
+    """Bytes per second from a number or a ``'<size>/s'`` string; None passes through."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be {_BANDWIDTH_ACCEPTED}; got a bool ({value!r})")
+    if isinstance(value, (int, float)):
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name} must be {_BANDWIDTH_ACCEPTED}; got {value!r}")
+        return float(value)
+    if isinstance(value, str):
+        text = value.strip()
+        if not text.lower().endswith("/s"):
+            raise ValueError(f"{name} must be {_BANDWIDTH_ACCEPTED}; {value!r} has no '/s'")
+        try:
+            n = parse_size(text[:-2], name, allow_none=False)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be {_BANDWIDTH_ACCEPTED}; could not parse {value!r}") \
+                from None
+        if n <= 0:
+            raise ValueError(f"{name} must be {_BANDWIDTH_ACCEPTED}; got {value!r}")
+        return float(n)
+    raise TypeError(f"{name} must be {_BANDWIDTH_ACCEPTED}; got {type(value).__name__} {value!r}")
+
+
 def _bounded(n: int, value, name: str) -> int:
     if n > _MAX_BYTES:
         raise ValueError(f"{name} must be {_ACCEPTED}; {value!r} is too large (over 2**64 bytes)")
@@ -131,8 +160,11 @@ class EngineConfig:
     length_tolerance: float = 0.05
     min_similarity: float = 0.95
     plan_cache_size: int = 16
+    # Bytes per second per direction the planner assumes for the host link (None: measured).
+    link_bandwidth: Union[int, float, str, None] = None
 
     def __post_init__(self) -> None:
+        self.link_bandwidth_bytes_per_s = parse_bandwidth(self.link_bandwidth, "link_bandwidth")
         self.length_tolerance = _fraction(self.length_tolerance, "length_tolerance")
         self.min_similarity = _fraction(self.min_similarity, "min_similarity")
         if isinstance(self.plan_cache_size, bool) or not isinstance(self.plan_cache_size, int) \

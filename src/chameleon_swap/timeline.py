@@ -13,6 +13,11 @@ used). A moved span counts from its save until its copy-out completes, and again
 copy back is issued until the end of its use slot. Since every save happens in forward and every
 use in backward, the natural peak is the sum of all span sizes.
 
+Reserve. ``Profile.reserve`` gives bytes held during each slot that are not spans and never move:
+the outputs selective checkpointing keeps (from the block's forward to its recompute) and the
+activations a recomputed block re-creates for its backward. They count towards the peak and the
+budget; spans get what the reserve leaves (``budget - reserve[slot]``).
+
 Copies. D2H is one FIFO stream: a moved span's copy-out is enqueued at its save and takes
 ``nbytes / d2h``. H2D is one FIFO stream: copies back are issued at the start of slot ``fetch_at``
 (clamped to ``[n_forward, use]``; missing means ``use``) and take ``nbytes / h2d`` each.
@@ -77,6 +82,9 @@ class Profile:
     spans: tuple[Span, ...]      # in save order
     d2h_bytes_per_s: float
     h2d_bytes_per_s: float
+    # Bytes held during each slot outside the spans, never movable: what selective checkpointing
+    # keeps and what a recomputed block re-creates for its backward. Empty: none.
+    reserve: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # Accept lists; keep the dataclass hashable and immutable.
@@ -84,7 +92,12 @@ class Profile:
             object.__setattr__(self, "compute", tuple(self.compute))
         if not isinstance(self.spans, tuple):
             object.__setattr__(self, "spans", tuple(self.spans))
+        if not isinstance(self.reserve, tuple):
+            object.__setattr__(self, "reserve", tuple(int(r) for r in self.reserve))
         n_f, n_slots = self.n_forward, len(self.compute)
+        if self.reserve and (len(self.reserve) != n_slots or min(self.reserve) < 0):
+            raise ValueError(f"reserve must hold one byte count >= 0 per slot ({n_slots}); "
+                             f"got {len(self.reserve)} entries")
         if not 0 <= n_f <= n_slots:
             raise ValueError(f"n_forward must be in [0, {n_slots}]; got {n_f}")
         if not (self.d2h_bytes_per_s > 0 and self.h2d_bytes_per_s > 0):
@@ -148,7 +161,10 @@ class Plan:
 
 def natural_peak(profile: Profile) -> int:
     """Peak with every span resident from its save to the end of its use slot: every save comes
-    before every release, so it is the sum of all span sizes."""
+    before every release, so it is the sum of all span sizes (plus the reserve, where a profile
+    has one: then the peak is found by simulating the plan that moves nothing)."""
+    if any(profile.reserve):
+        return simulate(profile, Plan(frozenset()), None).peak_bytes
     return sum(sp.nbytes for sp in profile.spans)
 
 
@@ -183,7 +199,9 @@ def simulate(profile: Profile, plan: Plan, budget: Optional[int], *,
     compute = profile.compute
     n_f, n_slots = profile.n_forward, len(compute)
     d2h, h2d = profile.d2h_bytes_per_s, profile.h2d_bytes_per_s
-    cap = INF if budget is None else budget
+    budget_cap = INF if budget is None else budget
+    reserve = profile.reserve or (0,) * n_slots
+    r = 0                              # the running slot's reserve; spans get cap = budget - r
     n = len(nbytes)
 
     move = [False] * n
@@ -225,12 +243,25 @@ def simulate(profile: Profile, plan: Plan, budget: Optional[int], *,
                 res -= nbytes[k]
                 inflight -= nbytes[k]
                 if drawing:
-                    curve.append((done, res))
+                    curve.append((done, res + r))
+
+    def enter(s: int) -> float:
+        """The reserve of slot ``s`` takes effect: the spans' cap for the slot, the peak."""
+        nonlocal r, peak
+        if reserve[s] != r:
+            r = reserve[s]
+            if res + r > peak:
+                peak = res + r
+            if drawing:
+                curve.append((t, res + r))
+        return budget_cap - r
 
     # ------------------------------------------------------------------ forward
+    cap = budget_cap
     for s in range(n_f):
         if tracing:
             slot_start.append(t)
+        cap = enter(s)
         t += compute[s]
         if outq and outq[0][0] <= t:
             reap(t)
@@ -266,8 +297,8 @@ def simulate(profile: Profile, plan: Plan, budget: Optional[int], *,
                     if tracing:
                         save_stall[j] = t - t0
             res += b
-            if res > peak:
-                peak = res
+            if res + r > peak:
+                peak = res + r
             if move[j]:
                 d2h_free = (t if t > d2h_free else d2h_free) + b / d2h
                 out_done[j] = d2h_free
@@ -276,7 +307,7 @@ def simulate(profile: Profile, plan: Plan, budget: Optional[int], *,
                 inflight += b
                 moved += b
             if drawing:
-                curve.append((t, res))
+                curve.append((t, res + r))
     fstall = stall
 
     # ------------------------------------------------------------------ backward
@@ -326,6 +357,7 @@ def simulate(profile: Profile, plan: Plan, budget: Optional[int], *,
             reap(t)
         if tracing:
             slot_start.append(t)
+        cap = enter(s)
         if waiting and waiting[0][0] <= t:
             ready = []
             while waiting and waiting[0][0] <= t:
@@ -346,14 +378,14 @@ def simulate(profile: Profile, plan: Plan, budget: Optional[int], *,
             b = nbytes[j]
             state[j] = _BACK
             res += b
-            if res > peak:
-                peak = res
+            if res + r > peak:
+                peak = res + r
             h2d_free = arrive[j] = (t if t > h2d_free else h2d_free) + b / h2d
             fetched += b
             if tracing:
                 deferred.add(j)
             if drawing:
-                curve.append((t, res))
+                curve.append((t, res + r))
         bucket = buckets[s]
         if bucket is not None:
             for j in bucket:
@@ -363,12 +395,12 @@ def simulate(profile: Profile, plan: Plan, budget: Optional[int], *,
                     if res + b <= cap:
                         state[j] = _BACK
                         res += b
-                        if res > peak:
-                            peak = res
+                        if res + r > peak:
+                            peak = res + r
                         h2d_free = arrive[j] = (t if t > h2d_free else h2d_free) + b / h2d
                         fetched += b
                         if drawing:
-                            curve.append((t, res))
+                            curve.append((t, res + r))
                     else:
                         put(j, b)                    # no room: retried at later slot starts
                 elif st == _OUT:
@@ -395,10 +427,10 @@ def simulate(profile: Profile, plan: Plan, budget: Optional[int], *,
                 if res + b <= cap:
                     state[j] = _BACK
                     res += b
-                    if res > peak:
-                        peak = res
+                    if res + r > peak:
+                        peak = res + r
                     if drawing:
-                        curve.append((t, res))
+                        curve.append((t, res + r))
                 else:
                     state[j] = _LOOSE
                     if b > overflow:
@@ -424,7 +456,7 @@ def simulate(profile: Profile, plan: Plan, budget: Optional[int], *,
         if rel:
             res -= rel
             if drawing:
-                curve.append((t, res))
+                curve.append((t, res + r))
 
     if tracing:
         slot_start.append(t)
