@@ -16,7 +16,9 @@ use in backward, the natural peak is the sum of all span sizes.
 Reserve. ``Profile.reserve`` gives bytes held during each slot that are not spans and never move:
 the outputs selective checkpointing keeps (from the block's forward to its recompute) and the
 activations a recomputed block re-creates for its backward. They count towards the peak and the
-budget; spans get what the reserve leaves (``budget - reserve[slot]``).
+budget; spans get what the reserve leaves (``budget - reserve[slot]``), and copies back are issued
+only into room that no later slot's reserve needs (the runtime keeps room for the recomputes to
+come).
 
 Copies. D2H is one FIFO stream: a moved span's copy-out is enqueued at its save and takes
 ``nbytes / d2h``. H2D is one FIFO stream: copies back are issued at the start of slot ``fetch_at``
@@ -311,6 +313,12 @@ def simulate(profile: Profile, plan: Plan, budget: Optional[int], *,
     fstall = stall
 
     # ------------------------------------------------------------------ backward
+    # Copies back are issued only into room that no later reserve needs (the runtime keeps room
+    # for the recomputes still to come): the largest reserve from each slot on.
+    ahead = list(reserve)
+    for s in range(n_slots - 2, -1, -1):
+        if ahead[s + 1] > ahead[s]:
+            ahead[s] = ahead[s + 1]
     # Copies back not issued yet, in issue order (fetch slot, use, index), as a min-segment tree
     # of their sizes: "the first pending copy that fits" in O(log n). Only copies that found no
     # room sit in it; the others are issued straight from their slot's bucket.
@@ -358,6 +366,7 @@ def simulate(profile: Profile, plan: Plan, budget: Optional[int], *,
         if tracing:
             slot_start.append(t)
         cap = enter(s)
+        issue_cap = budget_cap - ahead[s]
         if waiting and waiting[0][0] <= t:
             ready = []
             while waiting and waiting[0][0] <= t:
@@ -368,8 +377,8 @@ def simulate(profile: Profile, plan: Plan, budget: Optional[int], *,
             for i in ready:
                 put(order[i], nbytes[order[i]])
         # Deferred copies first (they come earlier in issue order), then this slot's.
-        while tree[1] != INF and res + tree[1] <= cap:
-            i, room = 1, cap - res
+        while tree[1] != INF and res + tree[1] <= issue_cap:
+            i, room = 1, issue_cap - res
             while i < size:
                 v = tree[2 * i]
                 i = 2 * i if v != INF and v <= room else 2 * i + 1
@@ -392,7 +401,7 @@ def simulate(profile: Profile, plan: Plan, budget: Optional[int], *,
                 st = state[j]
                 if st == _HOST:
                     b = nbytes[j]
-                    if res + b <= cap:
+                    if res + b <= issue_cap:
                         state[j] = _BACK
                         res += b
                         if res + r > peak:

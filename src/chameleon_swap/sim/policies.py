@@ -16,6 +16,10 @@ way, the budget rules of the runtime):
   step (the baseline of warm-up-frozen offload schedules).
 * ``chameleon``: the planner's plan for each step's own profile (the adaptive loop once a
   sequence has been seen).
+* ``hybrid``: chameleon with recomputation (``Chameleon(model=...)``): the hybrid planner
+  (``hybrid.plan_hybrid``) chooses per block keep, selective or full recomputation together with
+  the swap set, on the step's block structure (analytic traces carry it; selective here re-runs
+  the attention core, as ``selective-recompute`` does).
 
 Planned policies copy out what their plan moves; copies come back as the runtime issues them:
 the guard underneath prefetches as soon as room allows (``_swap_step``), which is never later than
@@ -41,14 +45,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..hybrid import Block, plan_hybrid
 from ..planner import fetch_schedule, plan as make_plan
 from ..timeline import Plan, Prediction, simulate
 from .trace import Step, Trace
 
 SWAP = ("none", "sync-swap", "async-swap", "guard", "static", "chameleon")
 RECOMPUTE = ("full-recompute", "selective-recompute")
-POLICIES = SWAP[:1] + RECOMPUTE + SWAP[1:]
-BUDGETED = ("guard", "static", "chameleon")     # policies that hold a budget
+POLICIES = SWAP[:1] + RECOMPUTE + SWAP[1:] + ("hybrid",)
+BUDGETED = ("guard", "static", "chameleon", "hybrid")     # policies that hold a budget
 TP_RE = re.compile(r"^tp([1-9][0-9]*)$")
 
 
@@ -291,6 +296,41 @@ def _recompute_step(step: Step, policy: str) -> StepResult:
                       compute_seconds=total, lower_bound_seconds=total)
 
 
+# ------------------------------------------------------------------------------- hybrid
+def hybrid_blocks(step: Step) -> list[Block]:
+    """The step's blocks as the hybrid planner sees them: each block's tensors (contiguous in
+    save order), its forward time, its input, and selective = re-running its attention core."""
+    if not step.has_blocks:
+        raise ValueError("hybrid needs a trace with block (layer) structure: analytic traces "
+                         "have it, traces recorded by the profiler do not")
+    ranges: dict = {}
+    for j, t in enumerate(step.tensors):
+        if t.block is not None:
+            lo, hi = ranges.get(t.block, (j, j))
+            ranges[t.block] = (min(lo, j), max(hi, j))
+    kinds = step.segment_kind or [""] * step.n_forward
+    out = []
+    for blk, (lo, hi) in sorted(ranges.items(), key=lambda kv: kv[1]):
+        ts = step.tensors[lo:hi + 1]
+        if any(t.block != blk for t in ts):
+            raise ValueError(f"block {blk}'s tensors are not contiguous in save order")
+        fwd = sum(sec for sec, b in zip(step.segments, step.segment_block) if b == blk)
+        core = sum(sec for sec, b, k in zip(step.segments, step.segment_block, kinds)
+                   if b == blk and k == "attn_core")
+        inp = sum(t.nbytes for t in ts if t.kind == "block_input")
+        kept = sum(t.nbytes for t in ts if t.kind not in ("attn_core", "block_input"))
+        out.append(Block(lo, hi + 1, fwd, inp, selective_bytes=kept, selective_seconds=core))
+    return out
+
+
+def _hybrid_step(step: Step, budget: Optional[int], d2h: float, h2d: float) -> Prediction:
+    hp = plan_hybrid(step.profile(d2h, h2d), hybrid_blocks(step), budget)
+    # Copies back as the runtime issues them (the guard prefetches as room allows; see above).
+    n_f, n_slots = hp.profile.n_forward, hp.profile.n_slots
+    eager = {j: n_f for j in hp.swap.move if hp.profile.spans[j].use < n_slots}
+    return simulate(hp.profile, Plan(hp.swap.move, eager), budget)
+
+
 # ------------------------------------------------------------------------------- entry point
 def run(trace: Trace, policy: str, budget: Optional[int], *, link: Optional[tuple] = None,
         device_bytes: Optional[int] = None, host_bytes: Optional[int] = None,
@@ -323,6 +363,20 @@ def run(trace: Trace, policy: str, budget: Optional[int], *, link: Optional[tupl
         if policy in RECOMPUTE:
             r = _recompute_step(step, policy)
             r.lower_bound_seconds = r.compute_seconds
+        elif policy == "hybrid":
+            key = ("hybrid", budget, d2h, h2d, step.n_forward, tuple(step.segments),
+                   tuple((t.nbytes, t.saved_at, t.first_used_at, t.movable, t.block, t.kind)
+                         for t in step.tensors))
+            pred = cache.get(key)
+            if pred is None:
+                pred = cache[key] = _hybrid_step(step, budget, d2h, h2d)
+            compute = float(sum(step.segments)) + (pred.total_seconds - pred.stall_seconds
+                                                   - step.compute_seconds)
+            r = StepResult(step_seconds=pred.total_seconds, stall_seconds=pred.stall_seconds,
+                           peak_bytes=max(pred.peak_bytes, pred.overflow_bytes),
+                           moved_bytes=pred.moved_bytes, compute_seconds=compute,
+                           lower_bound_seconds=pred.lower_bound_seconds,
+                           counted_peak_bytes=pred.peak_bytes)
         else:
             given, guard = sched.given(i, step)
             mode = "guard" if guard else policy
