@@ -63,6 +63,10 @@ class StepStats:
     forced_offloads: int = 0           # saves copied out synchronously to hold the budget
     kept_bytes: int = 0                # copied out but needed before that copy completed: the
                                        # device copy was used, nothing had to come back
+    # Recomputation (with model=): blocks run keep, selective or full this step.
+    recomputed_bytes: int = 0          # activation bytes not kept because their block recomputes
+    recompute_seconds: float = 0.0     # measured forward time repeated in backward
+    block_modes: tuple = ()            # block calls that ran (keep, selective, full); () no model
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -77,6 +81,10 @@ class StepStats:
                  f"step {self.step_seconds * 1e3:.1f} ms"]
         if self.peak_device_bytes is not None:
             parts.append(f"device peak {format_bytes(self.peak_device_bytes)}")
+        if self.block_modes:
+            k, sel, full = self.block_modes
+            parts.append(f"blocks keep {k}/sel {sel}/full {full}, "
+                         f"recompute {self.recompute_seconds * 1e3:.1f} ms")
         parts.append(self.plan_source + (" (changed)" if self.sequence_changed else ""))
         return " | ".join(parts)
 
@@ -104,6 +112,17 @@ class Chameleon:
             length differs by more than ``length_tolerance`` (relative) or the cosine similarity
             of the two sequences is below ``min_similarity``; defaults 5% and 0.95.
         plan_cache_size: plans kept, one per operator-sequence signature (LRU).
+        model: the model being trained (optional). With it, the default policy also recomputes:
+            the engine finds the model's repeated blocks and runs each, step by step, kept,
+            selectively recomputed (matmul and attention outputs kept, the rest recomputed) or
+            fully recomputed (only the block's inputs kept), whichever its plan predicts fastest
+            under the budget together with the swaps. Nothing in the model changes; gradients
+            stay bit-for-bit. ``policy="guard"`` and ``"static"`` stay swap-only.
+        blocks: which blocks may be recomputed (with ``model=``): None finds them (Hugging Face
+            ``_no_split_modules``, else the largest ``nn.ModuleList`` of one class), or a list of
+            submodules, or the dotted name of a ``ModuleList`` (``"model.layers"``).
+        link_bandwidth: bytes per second per direction the planner assumes for the host link
+            (a number or ``"25GB/s"``); None (default) measures it. For what-if runs and tests.
         trace_dir: a directory (created if missing) that receives every step's trace for the
             simulator, ``step-<n>.json`` (``chameleon_swap.sim.load(trace_dir)`` reads them
             back): its slot times, saved tensors and what it measured. Every step is then
@@ -124,12 +143,19 @@ class Chameleon:
                  device_memory_limit: SizeLike = None, policy: str = "chameleon",
                  host_memory_limit: SizeLike = None, length_tolerance: float = 0.05,
                  min_similarity: float = 0.95, plan_cache_size: int = 16,
-                 trace_dir: Optional[Union[str, os.PathLike]] = None) -> None:
+                 trace_dir: Optional[Union[str, os.PathLike]] = None,
+                 model: Optional[torch.nn.Module] = None, blocks=None,
+                 link_bandwidth: Union[int, float, str, None] = None) -> None:
         self.config = EngineConfig(budget=budget, min_tensor_bytes=min_tensor_bytes,
                                    device_memory_limit=device_memory_limit, policy=policy,
                                    host_memory_limit=host_memory_limit,
                                    length_tolerance=length_tolerance, min_similarity=min_similarity,
-                                   plan_cache_size=plan_cache_size)
+                                   plan_cache_size=plan_cache_size, link_bandwidth=link_bandwidth)
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module (the model being trained) or None; "
+                            f"got {type(model).__name__}")
+        if blocks is not None and model is None:
+            raise ValueError("blocks= names blocks of a model: pass model= too")
         self._trace_dir = _trace_dir(trace_dir)   # checked before anything is allocated
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -146,6 +172,7 @@ class Chameleon:
                                    cache_size=self.config.plan_cache_size)
         self._policy.bandwidth_fn = self._bandwidth
         self._ex.policy = self._policy
+        self._runner = self._make_runner(model, blocks)
         self._prev_ids: Optional[list] = None
         self._state_bytes = 0                     # device bytes allocated when a step began
         # Global module hooks, registered once for the engine's life and idle outside a step:
@@ -192,9 +219,30 @@ class Chameleon:
                 f"policy={self.policy!r}, steps={len(self.history)})")
 
     def _bandwidth(self) -> tuple[float, float]:
-        """(device->host, host->device) bytes per second for the planner, measured once."""
+        """(device->host, host->device) bytes per second for the planner: ``link_bandwidth``
+        when given, else measured once."""
+        given = self.config.link_bandwidth_bytes_per_s
+        if given is not None:
+            return given, given
         bw = cached_bandwidth(self.device)
         return bw.d2h_bytes_per_s, bw.h2d_bytes_per_s
+
+    def _make_runner(self, model, blocks):
+        """The recompute runner over the model's blocks (the default policy only; the others
+        stay swap-only, but a bad ``blocks=`` is still an error for them)."""
+        if model is None:
+            return None
+        from .recompute import BlockRunner, find_blocks
+        if not hasattr(self._policy, "block_mode"):
+            find_blocks(model, blocks)
+            return None
+        policy = self._policy
+        runner = BlockRunner(model, blocks, mode_fn=policy.block_mode, accountant=self._ex,
+                             clock=self._profiler.clock, index_fn=lambda: self._ex.next_index)
+        runner.working_set_fn = policy.working_set
+        policy.modes.eligible = list(runner.eligible)
+        runner.install()
+        return runner
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "Chameleon":
@@ -210,6 +258,8 @@ class Chameleon:
         if self._in_step:
             raise RuntimeError("Chameleon.close() was called inside eng.step(); leave the step first")
         self._ex.release_all("the engine was closed")
+        if self._runner is not None:
+            self._runner.remove()
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -231,7 +281,10 @@ class Chameleon:
         self._ex.begin_step(budget)
         self._policy.begin_step()
         # A traced step is timed: the simulator needs every slot's duration.
-        self._profiler.begin_step(detailed=self._policy.wants_detail() or self._trace_dir is not None)
+        detailed = self._policy.wants_detail() or self._trace_dir is not None
+        self._profiler.begin_step(detailed=detailed)
+        if self._runner is not None:
+            self._runner.begin_step(detailed)
         self._state_bytes = (torch.cuda.memory_allocated(self.device)
                              if self._trace_dir is not None and self.device.type == "cuda" else 0)
         self._module_starts = []
@@ -274,8 +327,10 @@ class Chameleon:
                     # 10% and 1 MiB of slack: allocator rounding and step-to-step jitter.
                     learnt = int(max(0, transient) * 1.1) + 2**20
                     self._transient_bytes = max(self._transient_bytes or 0, learnt)
+            calls = self._runner.end_step(failed) if self._runner is not None else []
             step_seconds = time.perf_counter() - t0
             profile = self._profiler.finish(step_seconds)
+            profile.blocks = calls
             changed = False
             if profile.ids:        # a step that saved nothing (eval under no_grad) changes nothing
                 if self._prev_ids is not None:
@@ -299,7 +354,8 @@ class Chameleon:
                 profiler_seconds=profile.profiler_seconds,
                 profile_mode="detailed" if profile.detailed else "lightweight",
                 signature=profile.signature, plan_overrides=report["plan_overrides"],
-                forced_offloads=counters.forced_offloads, kept_bytes=counters.kept_bytes)
+                forced_offloads=counters.forced_offloads, kept_bytes=counters.kept_bytes,
+                **_block_stats(calls, self._runner is not None))
             self.history.append(stats)
             log.info("%s", stats)
             if self._trace_dir is not None and not failed:
@@ -325,15 +381,18 @@ class Chameleon:
                    link=self._bandwidth(), model_state_bytes=self._state_bytes)
 
     # ------------------------------------------------------------------ module hooks
+    def _recomputing(self) -> bool:
+        return self._runner is not None and self._runner.recomputing
+
     def _module_pre(self, module: torch.nn.Module, args) -> None:
-        if not self._in_step or _compiling():
+        if not self._in_step or _compiling() or self._recomputing():
             return
         self._ex.protect_buffers(module)
         self._module_starts.append(self._ex.next_index)
         self._profiler.module_enter(module)
 
     def _module_post(self, module: torch.nn.Module, args, output) -> None:
-        if not self._in_step or _compiling():
+        if not self._in_step or _compiling() or self._recomputing():
             return
         self._profiler.module_exit(module)
         start = self._module_starts.pop() if self._module_starts else 0
@@ -344,6 +403,19 @@ class Chameleon:
             # Fires when the gradient of this module's output is ready: just before backward
             # reaches the tensors this module saved.
             t.register_hook(self._ex.backward_trigger)
+
+
+def _block_stats(calls: list, with_model: bool) -> dict:
+    """StepStats' recompute figures from the runner's block calls."""
+    if not with_model:
+        return {}
+    modes = [c.mode for c in calls]
+    # What a recomputed block did not keep: what it re-creates, less what it still kept (its
+    # inputs; under selective, also the matmul and attention outputs).
+    return {"recomputed_bytes": sum(max(0, c.recomputed_bytes - c.selective_bytes - c.input_bytes)
+                                    for c in calls if c.mode != "keep"),
+            "recompute_seconds": sum(c.recompute_seconds or 0.0 for c in calls),
+            "block_modes": (modes.count("keep"), modes.count("selective"), modes.count("full"))}
 
 
 def _trace_dir(value) -> Optional[Path]:

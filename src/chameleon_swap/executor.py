@@ -175,6 +175,7 @@ class Executor:
         self.live: set[Record] = set()           # records with live handles (any step)
         self.resident_bytes = 0
         self.inflight_out_bytes = 0              # counted bytes whose copy-out is in flight
+        self.prefetch_reserve = 0                # room copies back leave for recomputes to come
         self.moves = 0                           # records sent towards host so far (any step)
         self.next_index = 0
         self.stats = StepCounters()
@@ -184,6 +185,7 @@ class Executor:
     def begin_step(self, budget: Optional[int]) -> None:
         with self.lock:
             self.budget = budget
+            self.prefetch_reserve = 0
             self.next_index = 0
             self.stats = StepCounters()
             self.stats.peak_resident_bytes = self.resident_bytes

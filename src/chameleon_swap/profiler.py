@@ -40,6 +40,9 @@ class StepProfile:
     step_seconds: float = 0.0
     profiler_seconds: float = 0.0      # host time spent in the profiler during the step
     extra: dict = field(default_factory=dict)
+    reserve: list[int] = field(default_factory=list)   # per slot: most bytes held outside the
+                                                       # records (empty: none held)
+    blocks: list = field(default_factory=list)         # the recompute runner's block calls
 
     @property
     def n_slots(self) -> int:
@@ -50,7 +53,8 @@ class StepProfile:
         spans = tuple(Span(nbytes=b, save=i, use=u) for i, (b, u) in
                       enumerate(zip(self.nbytes, self.use_slot)))
         return Profile(compute=tuple(self.compute), n_forward=self.n_forward, spans=spans,
-                       d2h_bytes_per_s=d2h_bytes_per_s, h2d_bytes_per_s=h2d_bytes_per_s)
+                       d2h_bytes_per_s=d2h_bytes_per_s, h2d_bytes_per_s=h2d_bytes_per_s,
+                       reserve=tuple(self.reserve))
 
 
 _DTYPE_NAMES: dict = {}
@@ -99,6 +103,7 @@ class Profiler:
         self._calls: dict[int, int] = {}
         self._marks: list = []                 # detailed: start, each save, each first use, end
         self._use_marks: list = []
+        self._held: list[tuple[int, int]] = []  # (slot, bytes held from then on) per change
         self._seconds = 0.0
         self._t0 = 0.0
 
@@ -127,7 +132,8 @@ class Profiler:
         self.last_profile = StepProfile(ids=self.ids, signature=signature(self.ids), keys=self.keys,
                            nbytes=self.nbytes, use_slot=use_slot, compute=compute, n_forward=n,
                            detailed=self.detailed and n > 0, step_seconds=step_seconds,
-                           profiler_seconds=self._seconds)
+                           profiler_seconds=self._seconds,
+                           reserve=_per_slot(self._held, len(compute)))
         return self.last_profile
 
     def _estimate(self, n: int, step_seconds: float) -> list[float]:
@@ -190,6 +196,32 @@ class Profiler:
             self._use_marks.append(self._clock.mark())
         self._seconds += time.perf_counter() - t0
 
+    def on_hold(self, held_bytes: int) -> None:
+        """Bytes held outside the records (selective checkpointing's, a recompute's) changed to
+        ``held_bytes``. Slots are counted as in ``finish``: saves so far plus first uses so far."""
+        self._held.append((len(self.nbytes) + len(self.used), held_bytes))
+
     @property
     def seconds(self) -> float:
         return self._seconds
+
+    @property
+    def clock(self):
+        """``mark()`` / ``seconds(marks)`` on this device (CUDA events read after the step)."""
+        return self._clock
+
+
+def _per_slot(changes: list[tuple[int, int]], n_slots: int) -> list[int]:
+    """Most bytes held during each slot, from the changes in order (empty if nothing was)."""
+    if not any(b for _, b in changes):
+        return []
+    out = [0] * n_slots
+    held, i = 0, 0
+    for s in range(n_slots):
+        top = held
+        while i < len(changes) and changes[i][0] <= s:
+            held = changes[i][1]
+            top = max(top, held)
+            i += 1
+        out[s] = top
+    return out

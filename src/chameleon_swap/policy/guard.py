@@ -97,7 +97,7 @@ class GuardPolicy:
             self._back = sorted((r for r in list(ex.live) if r.state in (HOST, OFFLOADING)),
                                 key=lambda r: r.index)
             self._back_moves = ex.moves
-        room = ex.budget - ex.resident_bytes
+        room = ex.budget - ex.resident_bytes - ex.prefetch_reserve
         back = self._back
         while back:
             rec = back[-1]

@@ -24,6 +24,7 @@ from typing import Optional
 
 from ..executor import HOST, OFFLOADING, RESIDENT, Executor, Record
 from .guard import GuardPolicy
+from .modes import BlockModes
 from .plans import DEFAULT_PLAN_CACHE_SIZE, PlanCache, PlanEntry, compile_plan
 
 RECENT_STEPS = 4          # an estimated plan used this recently earns a detailed step
@@ -39,6 +40,8 @@ class ChameleonPolicy:
         self.guard = GuardPolicy(ex)
         self.cache = PlanCache(cache_size)
         self.bandwidth_fn = None            # () -> (d2h, h2d) bytes/s, set by the engine
+        # Block modes (keep / selective / full) when the engine was given a model.
+        self.modes = BlockModes(lambda: self.bandwidth_fn())
         self.step_no = 0
         self._want_detail = True            # the very first step is timed
         self._prev_sig: Optional[str] = None
@@ -70,6 +73,7 @@ class ChameleonPolicy:
     def begin_step(self) -> None:
         self.guard.begin_step()
         self._reset_step()
+        self.modes.begin_step(self.ex.budget)
         self._alive = self.cache.entries()
         self._fuzzy = self._alive[0] if self._alive else None
         self._active = self._alive[0] if self._alive else None
@@ -196,7 +200,7 @@ class ChameleonPolicy:
         ex = self.ex
         pending = self._pending + list(spans)
         self._pending = []
-        room = ex.budget - ex.resident_bytes
+        room = ex.budget - ex.resident_bytes - ex.prefetch_reserve
         for j in pending:
             rec = self._rec_of.get(j)
             if rec is None or rec.used or rec.failed:
@@ -259,7 +263,21 @@ class ChameleonPolicy:
         if profile is not None and profile.n_forward > 0 and self.ex.budget is not None:
             self._adapt(profile)
             self._prev_sig = profile.signature
+        if profile is not None and profile.blocks:
+            self.modes.end_step(profile, profile.blocks, ok=True)
         self.step_no += 1
+
+    def block_mode(self, b: int, input_bytes: int) -> str:
+        """The mode block ``b`` runs in now (asked by the recompute runner at its start)."""
+        mode = self.modes.mode(b, input_bytes)
+        self.ex.prefetch_reserve = self.modes.ahead()
+        return mode
+
+    def working_set(self, b: int) -> int:
+        """Bytes to hold while block ``b``'s recompute and backward run (asked as it begins)."""
+        ws = self.modes.working_set(b)
+        self.ex.prefetch_reserve = self.modes.ahead()
+        return ws
 
     def _fits(self, profile) -> bool:
         """The applied plan stood for (nearly) all of this step's saved bytes."""

@@ -1,0 +1,313 @@
+"""Keep, swap or recompute: the hybrid engine against recomputation and swapping alone.
+
+    python benchmarks/hybrid.py [--device cuda] [--config 4096x8] [--quick] [--out DIR]
+
+A Hugging Face ``LlamaForCausalLM`` built from a config (SDPA attention, fp32 weights; bf16
+autocast on CUDA), trained on a schedule of sequence lengths. Modes, interleaved step by step in
+one process (the order rotates every repetition, so drift and warm-up affect each alike):
+
+* ``none``: the plain step;
+* ``full-recompute``: ``model.gradient_checkpointing_enable()`` (non-reentrant), what Hugging Face
+  users turn on;
+* ``selective-recompute``: PyTorch's selective activation checkpointing around every decoder
+  layer, keeping matmul and attention outputs;
+* ``swap@P``: ``Chameleon(budget=P x natural peak)``, swap only;
+* ``hybrid@P``: ``Chameleon(budget=P x natural peak, model=model)``: keep, swap or recompute.
+
+Budgets P are 25%, 50% and 75% of the natural saved-activation peak at the longest length.
+Reported per mode: step time median and total (first steps and new lengths included), peak device
+memory (CUDA ``max_memory_allocated`` above the step's start; on the CPU the bench meter's count of
+what the step allocates, from one metered step at the longest length), bytes moved, bytes
+recomputed, block modes; and whether every loss was bit-for-bit the plain step's.
+
+Time on one H100 (``--device cuda``, default config, from the step times the project measured
+there: about 0.5 s a step): 5 modes x 3 budgets x (2 + 4) steps, about 1.5 minutes plus the first
+steps; ``--quick`` halves it. On 2 CPU cores the default CPU config takes about 3 minutes.
+
+Writes ``benchmarks/results/hybrid-<device>.json`` (environment, config, medians, ratios), a
+markdown table next to it and a PNG.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+import chameleon_swap as cs  # noqa: E402
+
+FRACTIONS = (0.25, 0.5, 0.75)
+# hidden x layers -> lengths of the schedule, as measured on an H100 by the project.
+GPU_CONFIGS = {"2048x16": (4096, 8192, 16384, 12288), "4096x8": (8192, 16384, 12288),
+               "8192x4": (6144, 8192, 7168)}
+CPU_CONFIGS = {"256x4": (256, 512, 384), "128x2": (64, 128, 96)}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    C.add_threads_argument(p)
+    p.add_argument("--config", default=None,
+                   help=f"hidden x layers: {', '.join(GPU_CONFIGS)} (GPU), "
+                        f"{', '.join(CPU_CONFIGS)} (CPU)")
+    p.add_argument("--reps", type=int, default=None, help="timed steps per mode and budget")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per mode and budget")
+    p.add_argument("--quick", action="store_true", help="fewer steps, a smaller CPU model")
+    p.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    a = p.parse_args(argv)
+    C.apply_threads(a)
+    cuda = a.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        p.error("--device cuda was given but torch.cuda.is_available() is False")
+    configs = GPU_CONFIGS if cuda else CPU_CONFIGS
+    if a.config is None:
+        a.config = "4096x8" if cuda else ("128x2" if a.quick else "256x4")
+    if a.config not in configs:
+        p.error(f"--config must be one of {', '.join(configs)} on {'cuda' if cuda else 'cpu'}; "
+                f"got {a.config!r}")
+    if a.reps is None:
+        a.reps = 2 if a.quick else 4
+    if a.reps < 1 or a.warmup < 0:
+        p.error("--reps must be >= 1 and --warmup >= 0")
+    return a
+
+
+def build(a, device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    hidden, layers = (int(x) for x in a.config.split("x"))
+    cuda = device.type == "cuda"
+    cfg = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers,
+                      num_attention_heads=max(1, hidden // 128 if cuda else hidden // 32),
+                      intermediate_size=int(hidden * 8 / 3) // 64 * 64 or 64,
+                      vocab_size=32000 if cuda else 2048, max_position_embeddings=32768,
+                      attn_implementation="sdpa")
+    cfg.num_key_value_heads = cfg.num_attention_heads
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(device)
+    model.train()
+    return model, cfg
+
+
+@contextlib.contextmanager
+def selective(model):
+    """Selective activation checkpointing around every decoder layer, for one step."""
+    from torch.utils.checkpoint import checkpoint
+
+    from chameleon_swap.bench.baselines import _selective_context
+    layers = list(model.model.layers)
+    saved = [layer.__dict__.get("forward") for layer in layers]
+    for layer in layers:
+        inner = layer.forward
+
+        def fwd(*args, _f=inner, **kwargs):
+            return checkpoint(_f, *args, use_reentrant=False, context_fn=_selective_context,
+                              **kwargs)
+        layer.forward = fwd
+    try:
+        yield
+    finally:
+        for layer, f in zip(layers, saved):
+            if f is None:
+                del layer.forward
+            else:
+                layer.forward = f
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    device = torch.device(a.device)
+    model, cfg = build(a, device)
+    lengths = GPU_CONFIGS.get(a.config) or CPU_CONFIGS[a.config]
+    gen = torch.Generator().manual_seed(1)
+    batches = {T: torch.randint(0, cfg.vocab_size, (1, T + 1), generator=gen).to(device)
+               for T in set(lengths)}
+    def loss_of(T: int) -> torch.Tensor:
+        ids = batches[T]
+        with (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+              else contextlib.nullcontext()):
+            return model(input_ids=ids[:, :-1], labels=ids[:, 1:]).loss
+
+    longest = max(lengths)
+    with cs.Chameleon(None, device=device) as probe:
+        with probe.step():
+            loss_of(longest).backward()
+        natural = probe.last_step.peak_resident_bytes
+    model.zero_grad(set_to_none=True)
+
+    def run(mode: str, engines: dict, T: int) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        if mode == "none":
+            loss = loss_of(T)
+            loss.backward()
+        elif mode == "full-recompute":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            try:
+                loss = loss_of(T)
+                loss.backward()
+            finally:
+                model.gradient_checkpointing_disable()
+        elif mode == "selective-recompute":
+            with selective(model):
+                loss = loss_of(T)
+                loss.backward()
+        else:
+            with engines[mode].step():
+                loss = loss_of(T)
+                loss.backward()
+        return loss.detach()
+
+    peers = ["none", "full-recompute", "selective-recompute"]
+    results: dict = {}
+    losses_equal = True
+    steps = a.warmup + a.reps
+    total = len(FRACTIONS) * steps * (len(peers) + 2) * len(lengths)
+    with C.progress(total, f"hybrid {a.config} on {C.device_name(device)}") as advance:
+        for f in FRACTIONS:
+            budget = int(natural * f)
+            tag = f"{int(f * 100)}%"
+            engines = {f"swap@{tag}": cs.Chameleon(budget, device=device),
+                       f"hybrid@{tag}": cs.Chameleon(budget, device=device, model=model)}
+            modes = peers + list(engines)
+            rec = {m: {"times": [], "all": [], "stats": [], "peaks": []} for m in modes}
+            for rep in range(steps):
+                for T in lengths:
+                    order = modes[rep % len(modes):] + modes[:rep % len(modes)]
+                    losses = {}
+                    for m in order:
+                        C.sync(device)
+                        if device.type == "cuda":
+                            torch.cuda.reset_peak_memory_stats(device)
+                            base = torch.cuda.memory_allocated(device)
+                        t0 = C.now()
+                        losses[m] = run(m, engines, T)
+                        C.sync(device)
+                        dt = C.now() - t0
+                        rec[m]["all"].append(dt)
+                        if rep >= a.warmup:
+                            rec[m]["times"].append(dt)
+                        if device.type == "cuda":
+                            rec[m]["peaks"].append(torch.cuda.max_memory_allocated(device) - base)
+                        if m in engines:
+                            rec[m]["stats"].append(engines[m].last_step)
+                        advance()
+                    losses_equal &= all(torch.equal(losses["none"], v) for v in losses.values())
+            if device.type != "cuda":
+                for m in modes:
+                    rec[m]["peaks"].append(metered_peak(lambda: run(m, engines, longest), device))
+            for e in engines.values():
+                e.close()
+            results[tag] = summarize(rec, modes, engines, budget)
+    env = C.environment(device)
+    payload = {"benchmark": "hybrid", "environment": env,
+               "config": {"model": "LlamaForCausalLM", "hidden": cfg.hidden_size,
+                          "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,
+                          "ffn": cfg.intermediate_size, "vocab": cfg.vocab_size,
+                          "lengths": list(lengths), "batch": 1, "reps": a.reps,
+                          "warmup": a.warmup, "fractions": list(FRACTIONS),
+                          "autocast": "bf16" if device.type == "cuda" else None,
+                          "threads": torch.get_num_threads()},
+               "natural_activation_peak_bytes": natural,
+               "losses_bitwise_equal_across_modes": bool(losses_equal), "results": results}
+    md = markdown(payload)
+    path = C.write_results("hybrid", device, payload, md, a.out)
+    if C.have_matplotlib():
+        plot(results, path.with_suffix(".png"), f"{a.config} on {env['device_name']}")
+    print(md)
+    print(f"wrote {path}")
+    return 0 if losses_equal else 1
+
+
+def metered_peak(step, device) -> int:
+    from chameleon_swap.bench.meter import MemoryMeter
+    with MemoryMeter(device, record_curve=False) as m:
+        step()
+    return m.peak_bytes
+
+
+def summarize(rec: dict, modes: list, engines: dict, budget: int) -> dict:
+    none = C.median(rec["none"]["times"])
+    out = {}
+    for m in modes:
+        r = rec[m]
+        med = C.median(r["times"])
+        row = {"median_step_s": med, "ratio_vs_none": med / none, "total_s": sum(r["all"]),
+               "peak_device_bytes": max(r["peaks"]) if r["peaks"] else None}
+        if m in engines:
+            s = r["stats"]
+            row.update(budget_bytes=budget,
+                       max_peak_resident_bytes=max(v.peak_resident_bytes for v in s),
+                       budget_held=all(v.peak_resident_bytes <= budget for v in s),
+                       median_moved_bytes=int(C.median(v.offloaded_bytes for v in s)),
+                       median_recomputed_bytes=int(C.median(v.recomputed_bytes for v in s)),
+                       median_recompute_s=C.median(v.recompute_seconds for v in s),
+                       median_stall_s=C.median(v.stall_seconds for v in s),
+                       block_modes=list(s[-1].block_modes))
+        out[m] = row
+    return out
+
+
+def markdown(payload: dict) -> str:
+    env, cfg = payload["environment"], payload["config"]
+    rows = []
+    for tag, res in payload["results"].items():
+        for m, r in res.items():
+            fmt = cs.format_bytes
+            rows.append([tag, m, r["median_step_s"] * 1e3, r["ratio_vs_none"], r["total_s"],
+                         fmt(r["peak_device_bytes"]) if r["peak_device_bytes"] is not None else "-",
+                         fmt(r["max_peak_resident_bytes"]) if "budget_bytes" in r else "-",
+                         fmt(r["median_moved_bytes"]) if "budget_bytes" in r else "-",
+                         fmt(r["median_recomputed_bytes"]) if "budget_bytes" in r else "-",
+                         str(tuple(r["block_modes"])) if r.get("block_modes") else "-"])
+    peak_how = ("CUDA max_memory_allocated above the step's start" if env.get("device") != "cpu"
+                and "cuda" in str(env.get("device")) else
+                "the bench meter's count of what one step at the longest length allocates")
+    return (f"# hybrid on {env['device_name']}\n\n"
+            f"torch {env['torch']}, commit {env['commit']}; Hugging Face Llama hidden "
+            f"{cfg['hidden']} x {cfg['layers']} layers, {cfg['heads']} heads, vocab {cfg['vocab']}, "
+            f"lengths {cfg['lengths']}, batch 1, autocast {cfg['autocast']}; natural activation "
+            f"peak {cs.format_bytes(payload['natural_activation_peak_bytes'])}; medians of "
+            f"{cfg['reps']} interleaved steps per length; peak device = {peak_how}; block modes "
+            f"= (keep, selective, full) of the last step; losses bitwise equal across modes: "
+            f"{payload['losses_bitwise_equal_across_modes']}.\n\n"
+            + C.markdown_table(["budget", "mode", "step ms", "x none", "total s", "peak device",
+                                "peak resident", "moved", "recomputed", "block modes"], rows))
+
+
+def plot(results: dict, path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    tags = list(results)
+    modes = ["full-recompute", "selective-recompute", "swap", "hybrid"]
+    colors = {"full-recompute": "#c66", "selective-recompute": "#e9a", "swap": "#47a",
+              "hybrid": "#2a6"}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    width = 0.2
+    for i, m in enumerate(modes):
+        key = (lambda t: f"{m}@{t}") if m in ("swap", "hybrid") else (lambda t: m)
+        ratios = [results[t][key(t)]["ratio_vs_none"] for t in tags]
+        peaks = [(results[t][key(t)]["peak_device_bytes"] or 0) / 2**20 for t in tags]
+        xs = [j + (i - 1.5) * width for j in range(len(tags))]
+        ax1.bar(xs, ratios, width, label=m, color=colors[m])
+        ax2.bar(xs, peaks, width, label=m, color=colors[m])
+    none_peak = (results[tags[0]]["none"]["peak_device_bytes"] or 0) / 2**20
+    ax1.axhline(1.0, color="k", lw=0.8)
+    ax2.axhline(none_peak, color="k", lw=0.8, ls="--", label="none")
+    for ax, ylabel in ((ax1, "step time / none (median)"), (ax2, "peak device memory (MiB)")):
+        ax.set_xticks(range(len(tags)))
+        ax.set_xticklabels([f"budget {t}" for t in tags])
+        ax.set_ylabel(ylabel)
+    ax2.legend(fontsize=7)
+    fig.suptitle(f"keep / swap / recompute, {title}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
