@@ -364,7 +364,7 @@ def test_host_memory_reserve_over_the_limit_names_both():
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_slabs_are_pinned_and_allocations_stay_flat_after_warm_up():
     torch.manual_seed(0)
     model = Llama(LlamaConfig(**TINY)).cuda()
