@@ -1,7 +1,7 @@
 """Bad input to the public API: ``Chameleon(...)``, ``parse_size`` and ``format_bytes``.
 
 What the issue asks of the size arguments (``budget``, ``min_tensor_bytes``,
-``device_memory_limit``, ``host_memory_limit``): an int of bytes or a size string with a decimal
+``device_memory_limit``, ``host_memory_limit``, ``host_memory_reserve``): an int of bytes or a size string with a decimal
 (KB, MB, ...) or binary (KiB, MiB, ..., and bare K, M, G, T) unit; ``None`` means "no limit" where
 that makes sense; anything else (negative, NaN, inf, bool, an unparsable string, a list, a dict, a
 complex, ...) raises ``ValueError`` or ``TypeError`` whose message names the argument and lists the
@@ -29,7 +29,8 @@ import chameleon_swap as cs
 from chameleon_swap import config as cfg
 from chameleon_swap import policy as policy_pkg
 
-SIZE_ARGS = ("budget", "min_tensor_bytes", "device_memory_limit", "host_memory_limit")
+SIZE_ARGS = ("budget", "min_tensor_bytes", "device_memory_limit", "host_memory_limit",
+             "host_memory_reserve")
 ALL_ARGS = SIZE_ARGS + ("policy", "device")
 
 # The accepted forms every size error must list (config._ACCEPTED, spelled out here so a message
@@ -346,6 +347,7 @@ def test_valid_sizes_are_parsed(no_threads_left_behind):
         assert eng.config.budget_bytes == eng.budget_bytes
         assert eng.config.min_tensor_bytes == 4096 and type(eng.config.min_tensor_bytes) is int
         assert eng.config.host_memory_limit_bytes == 512 * 10**6
+        assert eng.config.host_memory_reserve_bytes == 0      # None: nothing reserved
         assert eng.config.device_memory_limit_bytes is None
         assert eng.policy == "chameleon"           # the default once it beat the guard (issue 3)
         assert eng.device == torch.device("cpu")
@@ -359,6 +361,23 @@ def test_valid_sizes_are_parsed(no_threads_left_behind):
         assert eng.budget_bytes == 2**20
     with pytest.raises(TypeError):
         cs.Chameleon(None, "cpu")
+
+
+def test_host_memory_reserve_is_a_size_within_the_limit(no_threads_left_behind):
+    with make(host_memory_limit="64MiB", host_memory_reserve="1.5MiB") as eng:
+        assert eng.config.host_memory_reserve_bytes == 3 * 2**19
+        assert eng._pool.wait_reserve(timeout=60)
+        assert eng.host_bytes_reserved == 3 * 2**19 and eng.host_bytes_in_use == 0
+    with make(host_memory_limit="64MiB", host_memory_reserve="64MiB") as eng:  # all of it: fine
+        assert eng.config.host_memory_reserve_bytes == 64 * 2**20
+    for limit in ("64MiB", None):
+        with pytest.raises(ValueError) as e:
+            make(host_memory_limit=limit, host_memory_reserve=2**60)
+        msg = str(e.value)
+        assert "host_memory_reserve=" in msg and "host_memory_limit=" in msg, msg
+        assert "lower host_memory_reserve or raise host_memory_limit" in msg, msg
+        if limit is None:
+            assert "default" in msg, msg       # says where a limit the user never set came from
 
 
 def test_defaults(no_threads_left_behind):

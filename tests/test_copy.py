@@ -1,5 +1,5 @@
-"""Unit tests of the copy layer on CPU: ``HostPool``, ``CpuCopyEngine``, ``make_copy_engine`` and the
-bandwidth helpers.
+"""Unit tests of the copy layer on CPU: ``CpuCopyEngine``, ``make_copy_engine`` and the bandwidth
+helpers (the host arena has its own, ``test_host_pool.py``).
 
 The CPU copy engine is what every CPU test of the engine runs on, and it is built to make ordering
 and lifetime bugs visible (worker threads, weak references, optional delays), so its own contract
@@ -18,10 +18,8 @@ import weakref
 import pytest
 import torch
 
-import chameleon_swap as cs
 from chameleon_swap.copy import bandwidth, make_copy_engine
 from chameleon_swap.copy.cpu import CpuCopyEngine, CpuTicket
-from chameleon_swap.copy.host_pool import HostBuffer, HostMemoryError, HostPool, size_class
 
 KiB = 2**10
 
@@ -39,188 +37,6 @@ def eng():
 def random_bytes(n: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
-
-
-# =========================================================================== HostPool
-@pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096])
-def test_size_class_minimum_is_4kib(nbytes):
-    assert size_class(nbytes) == 4096
-
-
-def test_size_class_bounds_waste_and_has_four_classes_per_power_of_two():
-    for n in list(range(4097, 70_000, 97)) + [2**20 + 1, 3 * 2**20, 2**30 - 1, 2**30]:
-        c = size_class(n)
-        assert c >= n, (n, c)
-        assert c <= n * 1.25, (n, c)                 # at most 25% waste
-        assert size_class(c) == c                    # a class is its own class
-    for k in range(13, 24):
-        classes = {size_class(n) for n in range(2**k + 1, 2**(k + 1) + 1, max(1, 2**k // 64))}
-        assert classes == {2**(k + 1) * i // 8 for i in (5, 6, 7, 8)}, (k, sorted(classes))
-    # Monotone: a larger request never gets a smaller buffer.
-    prev = 0
-    for n in range(0, 300_000, 113):
-        assert size_class(n) >= prev
-        prev = size_class(n)
-
-
-def test_acquire_gives_a_uint8_buffer_of_its_class_and_a_prefix_view():
-    pool = HostPool(1 << 20, pin=False)
-    buf = pool.acquire(5000)
-    assert isinstance(buf, HostBuffer)
-    assert buf.capacity == size_class(5000) == 5120
-    assert buf.tensor.dtype == torch.uint8 and buf.tensor.device.type == "cpu"
-    assert not buf.tensor.is_pinned()
-    v = buf.view(5000)
-    assert v.numel() == 5000 and v.data_ptr() == buf.tensor.data_ptr()
-    assert pool.in_use_bytes == 5120 and pool.cached_bytes == 0 and pool.allocations == 1
-
-
-def test_released_buffers_are_reused_by_size_class():
-    pool = HostPool(1 << 20, pin=False)
-    a = pool.acquire(5000)
-    ptr = a.tensor.data_ptr()
-    pool.release(a)
-    assert pool.in_use_bytes == 0 and pool.cached_bytes == 5120
-    b = pool.acquire(5100)                           # same class (5120): the cached buffer
-    assert b is a and b.tensor.data_ptr() == ptr
-    assert pool.allocations == 1
-    assert pool.in_use_bytes == 5120 and pool.cached_bytes == 0
-    c = pool.acquire(5000)                           # the class's only buffer is in use: fresh
-    assert c is not a and pool.allocations == 2
-    d = pool.acquire(7000)                           # another class: fresh
-    assert d.capacity == 7168 and pool.allocations == 3
-
-
-def test_many_rounds_of_the_same_requests_allocate_once():
-    pool = HostPool(1 << 22, pin=False)
-    sizes = [4096, 5000, 70_000, 70_000, 123_456, 9]
-    for round_ in range(5):
-        bufs = [pool.acquire(n) for n in sizes]
-        for b in reversed(bufs):
-            pool.release(b)
-        assert pool.allocations == len(sizes), round_
-        assert pool.in_use_bytes == 0
-        assert pool.cached_bytes == sum(size_class(n) for n in sizes)
-
-
-def test_counters_in_use_cached_reserved_and_peak():
-    pool = HostPool(1 << 20, pin=False)
-    a, b = pool.acquire(4096), pool.acquire(10_000)
-    cb = size_class(10_000)
-    assert pool.in_use_bytes == 4096 + cb
-    assert pool.peak_in_use_bytes == 4096 + cb
-    pool.release(a)
-    assert pool.in_use_bytes == cb and pool.cached_bytes == 4096
-    assert pool.reserved_bytes == cb + 4096
-    assert pool.peak_in_use_bytes == 4096 + cb      # a peak does not go down
-    pool.release(b)
-    assert pool.in_use_bytes == 0 and pool.reserved_bytes == pool.cached_bytes == 4096 + cb
-    pool.acquire(4096)
-    assert pool.peak_in_use_bytes == 4096 + cb
-
-
-def test_limit_raises_host_memory_error_naming_host_memory_limit():
-    pool = HostPool(3 * 4096, pin=False)
-    held = [pool.acquire(4096) for _ in range(3)]
-    with pytest.raises(HostMemoryError, match="host_memory_limit") as exc:
-        pool.acquire(1)
-    msg = str(exc.value)
-    assert "12.00 KiB" in msg                        # the limit, in readable units
-    assert "Raise host_memory_limit" in msg          # and what to do about it
-    assert isinstance(exc.value, RuntimeError)
-    assert cs.HostMemoryError is HostMemoryError     # exported at the top level
-    # A refused request changes nothing.
-    assert pool.in_use_bytes == 3 * 4096 and pool.allocations == 3
-    pool.release(held.pop())
-    pool.acquire(1)                                  # room again: served from the cache
-    assert pool.allocations == 3
-
-
-def test_a_single_request_over_the_limit_raises_even_when_empty():
-    pool = HostPool(10 * KiB, pin=False)
-    with pytest.raises(HostMemoryError, match="host_memory_limit"):
-        pool.acquire(11 * KiB)
-    assert pool.in_use_bytes == 0 and pool.reserved_bytes == 0 and pool.allocations == 0
-
-
-def test_cached_buffers_are_dropped_to_stay_within_the_limit():
-    pool = HostPool(16 * KiB, pin=False)
-    big = pool.acquire(8 * KiB)
-    pool.release(big)
-    assert pool.cached_bytes == 8 * KiB
-    small = [pool.acquire(4 * KiB) for _ in range(3)]  # 12 KiB in use + 8 KiB cached > 16 KiB
-    assert pool.in_use_bytes == 12 * KiB
-    assert pool.reserved_bytes <= pool.limit_bytes
-    assert pool.cached_bytes == 0                    # the 8 KiB buffer went back to the system
-    for b in small:
-        pool.release(b)
-    assert pool.reserved_bytes <= pool.limit_bytes
-    # A request that only fits once the cache is trimmed is served, not refused.
-    pool2 = HostPool(16 * KiB, pin=False)
-    bufs = [pool2.acquire(4 * KiB) for _ in range(4)]
-    for b in bufs:
-        pool2.release(b)
-    assert pool2.cached_bytes == 16 * KiB
-    b16 = pool2.acquire(16 * KiB)
-    assert b16.capacity == 16 * KiB and pool2.reserved_bytes == 16 * KiB
-
-
-def test_reserved_never_exceeds_the_limit_under_a_random_workload():
-    g = torch.Generator().manual_seed(1)
-    limit = 256 * KiB
-    pool = HostPool(limit, pin=False)
-    held = []
-    for _ in range(2000):
-        if held and torch.rand((), generator=g) < 0.45:
-            pool.release(held.pop(int(torch.randint(len(held), (), generator=g))))
-        else:
-            n = int(torch.randint(1, 40 * KiB, (), generator=g))
-            try:
-                held.append(pool.acquire(n))
-            except HostMemoryError:
-                assert pool.in_use_bytes + size_class(n) > limit
-        assert pool.reserved_bytes <= limit
-        assert pool.in_use_bytes == sum(b.capacity for b in held)
-        assert pool.peak_in_use_bytes <= limit
-
-
-def test_clear_drops_cached_buffers_only():
-    pool = HostPool(1 << 20, pin=False)
-    a, b, c = pool.acquire(4096), pool.acquire(8192), pool.acquire(20_000)
-    pool.release(a)
-    pool.release(b)
-    pool.clear()
-    assert pool.cached_bytes == 0
-    assert pool.in_use_bytes == c.capacity           # buffers in use are untouched
-    before = pool.allocations
-    pool.acquire(4096)
-    assert pool.allocations == before + 1            # nothing cached any more
-    pool.release(c)
-    pool.clear()
-    assert pool.cached_bytes == 0
-
-
-def test_pool_is_consistent_under_concurrent_acquire_and_release():
-    pool = HostPool(64 * 2**20, pin=False)
-    errors = []
-
-    def work(seed):
-        try:
-            g = torch.Generator().manual_seed(seed)
-            for _ in range(300):
-                n = int(torch.randint(1, 64 * KiB, (), generator=g))
-                pool.release(pool.acquire(n))
-        except Exception as e:  # pragma: no cover - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
-    assert pool.in_use_bytes == 0
-    assert pool.cached_bytes == sum(sum(b.capacity for b in bufs) for bufs in pool._free.values())
 
 
 # =========================================================================== CpuCopyEngine
@@ -585,7 +401,7 @@ def test_pinned_memory_status_without_cuda():
         assert ok is False and "no CUDA" in why
 
 
-# --------------------------------------------------------------------------- byte copies, host flag
+# --------------------------------------------------------------------------- byte copies
 def test_copy_bytes_copies_exactly_and_refuses_what_it_cannot_copy():
     from chameleon_swap.copy.cpu import copy_bytes
     src = torch.arange(1000, dtype=torch.int64).view(torch.uint8)   # 8000 bytes, all distinct-ish
@@ -598,20 +414,3 @@ def test_copy_bytes_copies_exactly_and_refuses_what_it_cannot_copy():
                              (torch.empty(16000, dtype=torch.uint8)[::2], src)]:    # strided
         with pytest.raises(RuntimeError, match="contiguous uint8"):
             copy_bytes(bad_dst, bad_src)
-
-
-def test_allocating_host_is_set_only_while_the_pool_allocates(monkeypatch):
-    from chameleon_swap.copy import host_pool
-    seen = []
-    real_empty = torch.empty
-
-    def spy(*args, **kwargs):
-        seen.append(host_pool.allocating_host())
-        return real_empty(*args, **kwargs)
-    pool = HostPool(2**20, pin=False)
-    monkeypatch.setattr(host_pool.torch, "empty", spy)
-    buf = pool.acquire(5000)          # fresh: allocated under the flag
-    pool.release(buf)
-    pool.acquire(5000)                # reused: no allocation at all
-    assert seen == [True]
-    assert host_pool.allocating_host() is False

@@ -7,7 +7,7 @@
 * Memory, measured by the caching allocator rather than by the engine: offloaded activations
   really leave the device; with ``device_memory_limit`` the step's ``max_memory_allocated`` stays
   under the limit from the second step on (the first one learns the non-activation peak).
-* Mechanism (DESIGN.md, LESSONS 1, 2, 7, 8): no ``record_stream``; the pinned host pool is reused
+* Mechanism (DESIGN.md, LESSONS 1, 2, 7, 8): no ``record_stream``; the pinned host arena is reused
   across steps with no fresh pinned allocation; no host synchronisation inside a step beyond what
   the model itself does; ``stall_seconds`` is a finite, non-negative part of the step.
 * The CUDA sanitizer (CSAN): a small bitwise scenario in a child interpreter with
@@ -402,10 +402,10 @@ def test_no_record_stream(monkeypatch):
 
 
 def test_pinned_pool_is_reused_across_steps(monkeypatch):
-    """LESSONS 8: host buffers are pinned, kept by the pool, and the next step of the same shape
-    takes them from the pool: no fresh pinned allocation at all after the first step. At budget
-    0 every saved tensor goes to the host in forward and none comes back before backward, so the
-    set of buffers a step needs is the same every time."""
+    """LESSONS 8: host buffers are ranges of pinned slabs kept by the arena, and the next step of
+    the same shape takes them from the arena: no fresh pinned allocation at all after the first
+    step. At budget 0 every saved tensor goes to the host in forward and none comes back before
+    backward, so the set of buffers a step needs is the same every time."""
     model = llama()
     batches = lm_batches(model, [16, 16, 16, 16])          # one shape, new tokens each step
     with engine(0) as eng:
@@ -415,9 +415,8 @@ def test_pinned_pool_is_reused_across_steps(monkeypatch):
         first = pool.allocations
         assert first > 0 and eng.last_step.offloaded_tensors > 0
         assert pool.in_use_bytes == 0 and eng.host_bytes_in_use == 0
-        cached = [b for bufs in pool._free.values() for b in bufs]
-        assert len(cached) == first and pool.cached_bytes > 0
-        assert all(b.tensor.is_pinned() for b in cached)
+        assert len(pool._slabs) == first and pool.cached_bytes == eng.host_bytes_reserved > 0
+        assert all(slab.tensor.is_pinned() for slab in pool._slabs)
 
         pinned = []
         real_empty = torch.empty

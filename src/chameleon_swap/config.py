@@ -156,6 +156,7 @@ class EngineConfig:
     device_memory_limit: SizeLike = None
     policy: str = "chameleon"
     host_memory_limit: SizeLike = None
+    host_memory_reserve: SizeLike = None
     # Sequence-change thresholds of the profiler (Chameleon's defaults: 5% length, 0.95 cosine).
     length_tolerance: float = 0.05
     min_similarity: float = 0.95
@@ -182,6 +183,14 @@ class EngineConfig:
             avail = available_host_memory()
             limit = int(avail * DEFAULT_HOST_FRACTION) if avail else 8 * 2**30
         self.host_memory_limit_bytes = limit
+        reserve = parse_size(self.host_memory_reserve, "host_memory_reserve")
+        if reserve is not None and reserve > limit:
+            how = "" if self.host_memory_limit is not None else \
+                f" (the default: {DEFAULT_HOST_FRACTION:.0%} of the RAM available now)"
+            raise ValueError(f"host_memory_reserve={format_bytes(reserve)} is more than "
+                             f"host_memory_limit={format_bytes(limit)}{how}; the reserve is taken "
+                             f"from the limit: lower host_memory_reserve or raise host_memory_limit")
+        self.host_memory_reserve_bytes = reserve or 0
 
 
 def _fraction(value, name: str) -> float:

@@ -1,6 +1,6 @@
 """``Chameleon``: the user's object. Configuration, ``step()``, wiring, ``StepStats`` and history.
 
-No policy logic lives here: the engine builds a copy engine, a host pool, an executor and a policy,
+No policy logic lives here: the engine builds a copy engine, a host arena, an executor and a policy,
 installs the hooks for the duration of a step, and turns the executor's counters into a
 ``StepStats`` at the end of it.
 """
@@ -48,7 +48,7 @@ class StepStats:
     budget_waits: int                  # times a save had to wait for a copy-out to finish
     stall_seconds: float               # compute time lost waiting for copies
     step_seconds: float
-    host_peak_bytes: int               # host buffer bytes in use at most (pool, all steps)
+    host_peak_bytes: int               # host buffer bytes in use at most (arena, all steps)
     skipped_bytes: int                 # parameters/buffers saved: never moved, not counted
     peak_device_bytes: Optional[int] = None   # CUDA max_memory_allocated, with device_memory_limit
     failed: bool = False               # the step ended with an exception
@@ -63,6 +63,8 @@ class StepStats:
     forced_offloads: int = 0           # saves copied out synchronously to hold the budget
     kept_bytes: int = 0                # copied out but needed before that copy completed: the
                                        # device copy was used, nothing had to come back
+    host_allocated_bytes: int = 0      # host memory freshly allocated (pinned on CUDA) during the
+                                       # step: new arena slabs; 0 once the arena is warm
     # Recomputation (with model=): blocks run keep, selective or full this step.
     recomputed_bytes: int = 0          # activation bytes not kept because their block recomputes
     recompute_seconds: float = 0.0     # measured forward time repeated in backward
@@ -108,6 +110,12 @@ class Chameleon:
             baseline of frozen peers).
         host_memory_limit: most host memory offloaded activations may take; default half of the
             RAM available when the engine is created.
+        host_memory_reserve: host memory to allocate (and pin, on CUDA) up front, as one slab of
+            the host arena, so that early steps do not pay for pinning; an int or a size string,
+            at most ``host_memory_limit``. It is allocated on a background thread: creating the
+            engine does not wait, and the first offload that needs host memory before the slab
+            is ready waits for it (never allocates beside it). None (default) reserves nothing:
+            the arena then grows on demand, at least doubling each time.
         length_tolerance, min_similarity: a step's operator sequence counts as changed when its
             length differs by more than ``length_tolerance`` (relative) or the cosine similarity
             of the two sequences is below ``min_similarity``; defaults 5% and 0.95.
@@ -141,7 +149,8 @@ class Chameleon:
     def __init__(self, budget: SizeLike = None, *, device=None,
                  min_tensor_bytes: SizeLike = DEFAULT_MIN_TENSOR_BYTES,
                  device_memory_limit: SizeLike = None, policy: str = "chameleon",
-                 host_memory_limit: SizeLike = None, length_tolerance: float = 0.05,
+                 host_memory_limit: SizeLike = None, host_memory_reserve: SizeLike = None,
+                 length_tolerance: float = 0.05,
                  min_similarity: float = 0.95, plan_cache_size: int = 16,
                  trace_dir: Optional[Union[str, os.PathLike]] = None,
                  model: Optional[torch.nn.Module] = None, blocks=None,
@@ -149,6 +158,7 @@ class Chameleon:
         self.config = EngineConfig(budget=budget, min_tensor_bytes=min_tensor_bytes,
                                    device_memory_limit=device_memory_limit, policy=policy,
                                    host_memory_limit=host_memory_limit,
+                                   host_memory_reserve=host_memory_reserve,
                                    length_tolerance=length_tolerance, min_similarity=min_similarity,
                                    plan_cache_size=plan_cache_size, link_bandwidth=link_bandwidth)
         if model is not None and not isinstance(model, torch.nn.Module):
@@ -163,8 +173,10 @@ class Chameleon:
         if self.config.device_memory_limit_bytes is not None and self.device.type != "cuda":
             raise ValueError(f"device_memory_limit caps CUDA memory, but this engine's device is "
                              f"{self.device}; use budget= to bound saved activations on the CPU")
-        self._pool = HostPool(self.config.host_memory_limit_bytes, pin=self.device.type == "cuda")
         self._copy = make_copy_engine(self.device)
+        # After the copy engine: on CUDA the context exists before the reserve thread pins.
+        self._pool = HostPool(self.config.host_memory_limit_bytes, pin=self.device.type == "cuda",
+                              reserve_bytes=self.config.host_memory_reserve_bytes)
         self._ex = Executor(self.device, self._copy, self._pool, self.config.min_tensor_bytes)
         self._profiler = Profiler(self.device)
         self._ex.profiler = self._profiler
@@ -207,8 +219,13 @@ class Chameleon:
     @property
     def host_bytes_in_use(self) -> int:
         """Host memory holding offloaded activations right now (0 between steps once the
-        graphs are gone); cached free buffers of the pool are not counted."""
+        graphs are gone); free memory of the host arena is not counted."""
         return self._pool.in_use_bytes
+
+    @property
+    def host_bytes_reserved(self) -> int:
+        """Host memory the arena holds, in use or free (pinned on CUDA); 0 once closed."""
+        return self._pool.reserved_bytes
 
     @property
     def resident_bytes(self) -> int:
@@ -252,7 +269,8 @@ class Chameleon:
         self.close()
 
     def close(self) -> None:
-        """Release every host buffer (saved tensors still held by a graph become unusable)."""
+        """Release every host buffer and hand the host arena back (saved tensors still held by
+        a graph become unusable)."""
         if self._closed:
             return
         if self._in_step:
@@ -264,7 +282,7 @@ class Chameleon:
             h.remove()
         self._hooks = []
         self._copy.close()
-        self._pool.clear()
+        self._pool.close()
         self._closed = True
 
     # ------------------------------------------------------------------ one iteration
@@ -288,6 +306,7 @@ class Chameleon:
         self._state_bytes = (torch.cuda.memory_allocated(self.device)
                              if self._trace_dir is not None and self.device.type == "cuda" else 0)
         self._module_starts = []
+        self._host_allocated_at_start = self._pool.allocated_bytes
         t0 = time.perf_counter()
         failed = False
         try:
@@ -355,6 +374,7 @@ class Chameleon:
                 profile_mode="detailed" if profile.detailed else "lightweight",
                 signature=profile.signature, plan_overrides=report["plan_overrides"],
                 forced_offloads=counters.forced_offloads, kept_bytes=counters.kept_bytes,
+                host_allocated_bytes=self._pool.allocated_bytes - self._host_allocated_at_start,
                 **_block_stats(calls, self._runner is not None))
             self.history.append(stats)
             log.info("%s", stats)

@@ -7,8 +7,8 @@ So the meter sits below autograd, as a ``TorchDispatchMode``: every op that allo
 storage on the metered device adds its bytes until that storage dies (a weak reference's callback).
 
 What counts is what a step allocates: storages created by out-of-place, non-view ops while the
-meter is on. Views and in-place writes into storages that existed before (a pool's reused host
-buffers, parameters) are not new memory and are not counted; nor are host buffers the pool
+meter is on. Views and in-place writes into storages that existed before (the host arena's reused
+buffers, parameters) are not new memory and are not counted; nor are the slabs the host arena
 allocates (``copy.host_pool.allocating_host``), which on a CPU device share the RAM with the
 "device" but stand for host memory. The result is the step's memory above
 what was allocated when it began, the CPU analogue of ``max_memory_allocated`` minus

@@ -5,7 +5,7 @@ What torchtune's ``OffloadActivations`` does (read in torchtune 0.6.1,
 is not a Parameter or Buffer is copied to pinned host memory on a side stream right after it is
 saved, and copied back when backward unpacks it. It needs CUDA (it asks for CUDA streams when
 created) and torchao, so where it cannot run this is our own equivalent, labelled as such in every
-result. Ours is, if anything, a stronger peer: host buffers come from a reused pool (torchtune
+result. Ours is, if anything, a stronger peer: host buffers come from a reused arena (torchtune
 allocates fresh pinned memory per tensor) and the next tensor in reverse save order is prefetched
 when one is unpacked.
 
@@ -170,4 +170,4 @@ class SwapAll:
         return t
 
     def close(self) -> None:
-        self.pool.clear()
+        self.pool.close()

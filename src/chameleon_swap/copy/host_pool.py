@@ -1,113 +1,312 @@
-"""Host buffers for offloaded storages: size-classed, reused across steps, bounded.
+"""Host buffers for offloaded storages: carved out of a few large slabs, reused, bounded.
 
-A fresh pinned allocation costs milliseconds (LESSONS.md 8), so buffers are kept in free lists by
-size class and handed out again in later steps. The pool never holds more than ``limit_bytes``
-(buffers in use plus cached free ones); when a request cannot fit even after dropping every cached
-buffer it raises :class:`HostMemoryError`, naming the limit, instead of stalling or crashing.
+Every offloaded storage needs a host buffer, and on CUDA that buffer must be pinned (page-locked)
+for copies to run asynchronously at full speed. Pinning is slow: the OS has to fault in and lock
+every page, and measured on an H100 host the first step of each new sequence length took seconds
+longer than later ones when buffers were pinned per size. So host memory is kept in an *arena*:
+
+* a few large slabs (pinned on CUDA, plain RAM on the CPU), each sub-allocated for any size by a
+  first-fit free list in address order, with neighbours coalesced on release; every buffer starts
+  on a 4 KiB boundary (``ALIGN``) and takes a multiple of it, so copies see page-aligned memory;
+* when no free range fits, the arena grows by one new slab of ``max(request, MIN_SLAB_BYTES,
+  reserved)`` bytes, so its size at least doubles and a workload whose shapes keep changing pins
+  memory only O(log(size)) times over the engine's life; ``host_memory_reserve`` pins one slab
+  up front instead, on a background thread;
+* it never holds more than ``limit_bytes`` (``host_memory_limit``). A request that cannot fit,
+  even after handing back slabs that are wholly free, raises :class:`HostMemoryError` naming the
+  limit instead of stalling or crashing.
+
+Why not PyTorch's own pinned memory alone (facts of torch 2.13's caching host allocator, which
+``torch.empty(..., pin_memory=True)`` uses on CUDA): it rounds each request up to a power of two
+and caches freed blocks by that size, but never splits or merges them. A cached block serves only
+a later request of the same rounded size, one tensor per block, so every tensor of a new, larger
+shape pins a new block, and up to half of each block is waste. Its ``PYTORCH_CUDA_ALLOC_CONF``
+options make pinning faster or rarer but keep that behaviour: ``pinned_use_cuda_host_register``
+with ``pinned_num_register_threads`` registers ``malloc``ed memory with several threads,
+``pinned_reserve_segment_size_mb`` carves blocks from one segment reserved up front (bump pointer,
+never returned), ``pinned_use_background_threads`` reaps copy events off the caller's thread. These
+are process-wide settings, not per engine. The arena asks torch for one block per slab, so the
+allocator's per-size caching is paid once per slab rather than once per tensor size; when a
+slab's size is not a power of two, torch's block behind it is rounded up (pinned memory the
+arena's accounting does not see), which is why grown slabs are powers of two where the limit
+allows (and why a power of two is the best ``host_memory_reserve`` on CUDA).
 """
 from __future__ import annotations
 
+import bisect
 import threading
-from collections import defaultdict
+from typing import Optional
 
 import torch
 
 from ..config import format_bytes
 
+ALIGN = 4096                 # page size: every buffer starts on and spans whole pages
+MIN_SLAB_BYTES = 2**21       # the first slab: small arenas would otherwise grow in many steps
 
 _allocating = threading.local()
 
 
 def allocating_host() -> bool:
-    """True on this thread while the pool allocates a host buffer. On a CPU device, host and
-    device are the same RAM: tools that meter device memory (``bench.meter``) read this to leave
-    host buffers out, as they would be on a GPU."""
+    """True on this thread while the arena allocates a slab. On a CPU device, host and device
+    are the same RAM: tools that meter device memory (``bench.meter``) read this to leave host
+    buffers out, as they would be on a GPU."""
     return getattr(_allocating, "on", False)
 
 
 class HostMemoryError(RuntimeError):
-    """The host buffer pool cannot hold another offloaded tensor within ``host_memory_limit``."""
+    """The host arena cannot hold another offloaded tensor within ``host_memory_limit``."""
 
 
-def size_class(nbytes: int) -> int:
-    """Round ``nbytes`` up to one of four classes per power of two (at most 25% waste), min 4 KiB."""
-    if nbytes <= 4096:
-        return 4096
-    top = 1 << (nbytes - 1).bit_length()   # smallest power of two >= nbytes
-    step = top // 8                        # classes at 5/8, 6/8, 7/8, 8/8 of top
-    return -(-nbytes // step) * step
+def align_up(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole ``ALIGN`` pages, at least one page."""
+    return max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+class _Slab:
+    """One host allocation and its free ranges: ``_free`` maps start -> length, ``_starts`` keeps
+    the starts sorted for first-fit search and for finding a released range's neighbours."""
+
+    __slots__ = ("tensor", "size", "_starts", "_free", "free_bytes")
+
+    def __init__(self, size: int, pin: bool) -> None:
+        raw = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+        skip = -raw.data_ptr() % ALIGN
+        if skip:
+            # The CPU allocator aligns to 64 B only (pinned blocks come page-aligned from the
+            # driver): over-allocate by a page and start at the first page boundary.
+            raw = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=pin)
+            skip = -raw.data_ptr() % ALIGN
+        self.tensor = raw[skip:skip + size]
+        self.size = size
+        self._starts = [0]
+        self._free = {0: size}
+        self.free_bytes = size
+
+    def take(self, n: int) -> Optional[int]:
+        """Offset of a free range of ``n`` bytes (the lowest that fits), or None."""
+        for i, start in enumerate(self._starts):
+            length = self._free[start]
+            if length >= n:
+                del self._free[start]
+                if length == n:
+                    del self._starts[i]
+                else:
+                    self._starts[i] = start + n   # the rest of the range stays in order
+                    self._free[start + n] = length - n
+                self.free_bytes -= n
+                return start
+        return None
+
+    def give(self, start: int, n: int) -> None:
+        """Return ``[start, start + n)``, merged with free neighbours on either side."""
+        i = bisect.bisect_left(self._starts, start)
+        if i < len(self._starts) and self._starts[i] < start + n or \
+                i > 0 and self._starts[i - 1] + self._free[self._starts[i - 1]] > start:
+            raise RuntimeError(f"host arena: range [{start}, {start + n}) is already free")
+        self.free_bytes += n
+        if i < len(self._starts) and self._starts[i] == start + n:     # merge the right neighbour
+            n += self._free.pop(self._starts.pop(i))
+        if i > 0 and self._starts[i - 1] + self._free[self._starts[i - 1]] == start:
+            self._free[self._starts[i - 1]] += n                         # grow the left neighbour
+            return
+        self._starts.insert(i, start)
+        self._free[start] = n
+
+    def free_ranges(self) -> list[tuple[int, int]]:
+        return [(s, self._free[s]) for s in self._starts]
 
 
 class HostBuffer:
-    """One host allocation; ``view(nbytes)`` is the uint8 prefix a storage is copied into."""
+    """A range of a slab; ``view(nbytes)`` is the uint8 prefix a storage is copied into."""
 
-    __slots__ = ("tensor", "capacity")
+    __slots__ = ("tensor", "capacity", "slab", "offset", "live")
 
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-        self.capacity = tensor.numel()
+    def __init__(self, slab: _Slab, offset: int, capacity: int) -> None:
+        self.tensor = slab.tensor[offset:offset + capacity]
+        self.capacity = capacity
+        self.slab = slab
+        self.offset = offset
+        self.live = True
 
     def view(self, nbytes: int) -> torch.Tensor:
         return self.tensor[:nbytes]
 
 
 class HostPool:
-    def __init__(self, limit_bytes: int, *, pin: bool) -> None:
+    """The host arena of one engine. Thread-safe: copies complete (and release buffers) on other
+    threads than the ones that acquire.
+
+    ``reserve_bytes`` are allocated as one slab on a background thread started here. An
+    ``acquire`` that arrives before that slab exists waits for it (it never allocates a second
+    slab beside it, which could break the limit); ``wait_reserve()`` does the same explicitly.
+    """
+
+    def __init__(self, limit_bytes: int, *, pin: bool, reserve_bytes: int = 0) -> None:
         self.limit_bytes = int(limit_bytes)
         self.pin = pin
-        self._free: dict[int, list[HostBuffer]] = defaultdict(list)
+        if reserve_bytes > self.limit_bytes:
+            raise ValueError(f"host_memory_reserve={format_bytes(reserve_bytes)} is more than "
+                             f"host_memory_limit={format_bytes(self.limit_bytes)}")
+        self._slabs: list[_Slab] = []
         self._lock = threading.Lock()
-        self.in_use_bytes = 0      # capacity of buffers handed out and not yet returned
-        self.cached_bytes = 0      # capacity of buffers waiting in free lists
+        self._closed = False
+        self.reserved_bytes = 0     # bytes of all slabs held now (buffers in use or free)
+        self.in_use_bytes = 0       # capacity of buffers handed out and not yet returned
         self.peak_in_use_bytes = 0
-        self.allocations = 0       # fresh allocations (a high count means the pool is not reused)
+        self.allocations = 0        # slabs allocated so far (flat once the arena is warm)
+        self.allocated_bytes = 0    # bytes of those slabs (differences give a step's growth)
+        self._reserve_error: Optional[BaseException] = None
+        self._reserve_bytes = align_up(reserve_bytes) if reserve_bytes else 0
+        self._reserved = threading.Event()
+        self._reserver: Optional[threading.Thread] = None
+        if self._reserve_bytes:
+            self._reserve_bytes = min(self._reserve_bytes, self.limit_bytes // ALIGN * ALIGN)
+            self._reserver = threading.Thread(target=self._reserve, daemon=True,
+                                              name="chameleon-swap-host-reserve")
+            self._reserver.start()
+        else:
+            self._reserved.set()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of the arena not handed out (free ranges of all slabs)."""
+        return self.reserved_bytes - self.in_use_bytes
 
     @property
-    def reserved_bytes(self) -> int:
-        return self.in_use_bytes + self.cached_bytes
-
-    def acquire(self, nbytes: int) -> HostBuffer:
-        cls = size_class(nbytes)
+    def slab_sizes(self) -> list[int]:
         with self._lock:
-            free = self._free.get(cls)
-            if free:
-                buf = free.pop()
-                self.cached_bytes -= cls
-            else:
-                if self.in_use_bytes + cls > self.limit_bytes:
-                    raise HostMemoryError(
-                        f"host_memory_limit reached: {format_bytes(self.in_use_bytes)} of host memory "
-                        f"already hold offloaded activations and {format_bytes(cls)} more are needed, "
-                        f"over host_memory_limit={format_bytes(self.limit_bytes)}. Raise "
-                        f"host_memory_limit, raise the device budget, or shrink the step.")
-                self._trim_locked(self.limit_bytes - cls)
-                _allocating.on = True
-                try:
-                    buf = HostBuffer(torch.empty(cls, dtype=torch.uint8, pin_memory=self.pin))
-                finally:
-                    _allocating.on = False
-                self.allocations += 1
-            self.in_use_bytes += cls
+            return [s.size for s in self._slabs]
+
+    def free_ranges(self) -> list[tuple[int, int, int]]:
+        """(slab index, offset, length) of every free range, for tests and diagnostics."""
+        with self._lock:
+            return [(i, s, n) for i, slab in enumerate(self._slabs) for s, n in slab.free_ranges()]
+
+    # ------------------------------------------------------------------ reserve
+    def _reserve(self) -> None:
+        try:
+            slab = self._new_slab(self._reserve_bytes)
+        except BaseException as e:       # reported to the thread that next needs the arena
+            self._reserve_error = e
+        else:
+            with self._lock:
+                if not self._closed:
+                    self._add_locked(slab)
+        finally:
+            self._reserved.set()
+
+    def wait_reserve(self, timeout: Optional[float] = None) -> bool:
+        """Block until the ``host_memory_reserve`` slab is allocated (True), or ``timeout``
+        seconds passed (False). Raises :class:`HostMemoryError` if allocating it failed."""
+        if not self._reserved.wait(timeout):
+            return False
+        if self._reserve_error is not None:
+            raise HostMemoryError(
+                f"host_memory_reserve={format_bytes(self._reserve_bytes)} could not be allocated "
+                f"{'(pinned) ' if self.pin else ''}on its background thread: "
+                f"{self._reserve_error}. Lower host_memory_reserve or leave it None."
+            ) from self._reserve_error
+        return True
+
+    # ------------------------------------------------------------------ acquire / release
+    def acquire(self, nbytes: int) -> HostBuffer:
+        if not self._reserved.is_set() or self._reserve_error is not None:
+            self.wait_reserve()
+        n = align_up(nbytes)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this host arena is closed (its engine was closed)")
+            buf = self._take_locked(n)
+            if buf is None:
+                self._grow_locked(n)
+                buf = self._take_locked(n)
+                assert buf is not None, "a new slab always fits its request"
+            self.in_use_bytes += n
             self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
             return buf
 
     def release(self, buf: HostBuffer) -> None:
         with self._lock:
+            if not buf.live:
+                raise RuntimeError("host arena: this buffer was already released")
+            buf.live = False
             self.in_use_bytes -= buf.capacity
-            if self.reserved_bytes + buf.capacity <= self.limit_bytes:
-                self._free[buf.capacity].append(buf)
-                self.cached_bytes += buf.capacity
+            buf.slab.give(buf.offset, buf.capacity)
+            if self._closed and buf.slab.free_bytes == buf.slab.size:
+                self._drop_locked(buf.slab)    # the last buffer of a closed arena came back
 
-    def _trim_locked(self, target_reserved: int) -> None:
-        """Drop cached buffers, largest class first, until reserved bytes <= target."""
-        for cls in sorted(self._free, reverse=True):
-            bufs = self._free[cls]
-            while bufs and self.reserved_bytes > target_reserved:
-                bufs.pop()
-                self.cached_bytes -= cls
-        self._free = defaultdict(list, {c: b for c, b in self._free.items() if b})
+    def _take_locked(self, n: int) -> Optional[HostBuffer]:
+        for slab in self._slabs:
+            if slab.free_bytes >= n:
+                offset = slab.take(n)
+                if offset is not None:
+                    return HostBuffer(slab, offset, n)
+        return None
 
+    def _grow_locked(self, n: int) -> None:
+        if self.in_use_bytes + n > self.limit_bytes:
+            raise HostMemoryError(
+                f"host_memory_limit reached: {format_bytes(self.in_use_bytes)} of host memory "
+                f"already hold offloaded activations and {format_bytes(n)} more are needed, over "
+                f"host_memory_limit={format_bytes(self.limit_bytes)}. Raise host_memory_limit, "
+                f"raise the device budget, or shrink the step.")
+        want = _next_pow2(max(n, MIN_SLAB_BYTES, self.reserved_bytes))
+        if self.reserved_bytes + n > self.limit_bytes or \
+                self.reserved_bytes + want > self.limit_bytes:
+            # Slabs with nothing in use go back first: one new slab can then take their room.
+            for slab in [s for s in self._slabs if s.free_bytes == s.size]:
+                self._drop_locked(slab)
+        room = (self.limit_bytes - self.reserved_bytes) // ALIGN * ALIGN
+        if n > room:
+            raise HostMemoryError(
+                f"host_memory_limit reached: {format_bytes(self.in_use_bytes)} of host memory "
+                f"hold offloaded activations and {format_bytes(n)} more are needed; the "
+                f"{format_bytes(self.cached_bytes)} free in the arena are split into ranges too "
+                f"small for it, and host_memory_limit={format_bytes(self.limit_bytes)} leaves no "
+                f"room for a new slab. Raise host_memory_limit (or set host_memory_reserve to "
+                f"pin one slab for the whole step up front), or raise the device budget.")
+        self._add_locked(self._new_slab(min(want, room)))
+
+    def _new_slab(self, size: int) -> _Slab:
+        _allocating.on = True
+        try:
+            return _Slab(size, self.pin)
+        finally:
+            _allocating.on = False
+
+    def _add_locked(self, slab: _Slab) -> None:
+        self._slabs.append(slab)
+        self.reserved_bytes += slab.size
+        self.allocations += 1
+        self.allocated_bytes += slab.size
+
+    def _drop_locked(self, slab: _Slab) -> None:
+        self._slabs.remove(slab)
+        self.reserved_bytes -= slab.size
+
+    # ------------------------------------------------------------------ teardown
     def clear(self) -> None:
-        """Return every cached buffer to the system (buffers in use are untouched)."""
+        """Hand back every slab with no buffer in use (slabs in use stay until they empty)."""
+        if self._reserver is not None:       # a reserve still being pinned is dropped as well
+            self._reserver.join()
         with self._lock:
-            self._trim_locked(self.in_use_bytes)
+            for slab in [s for s in self._slabs if s.free_bytes == s.size]:
+                self._drop_locked(slab)
+
+    def close(self) -> None:
+        """Hand back everything: free slabs now, the others when their last buffer returns.
+        On CUDA torch's host allocator keeps freed pinned blocks cached; its cache is emptied
+        so the pages are unlocked and go back to the OS."""
+        with self._lock:
+            self._closed = True
+        self.clear()
+        if self.pin:
+            empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+            if empty is not None:
+                empty()

@@ -1,0 +1,384 @@
+"""The host arena (``copy/host_pool.py``) on CPU: buffers are aligned, non-overlapping ranges of a
+few slabs; released ranges coalesce and are reused; the arena grows geometrically and never past
+``host_memory_limit``; ``host_memory_reserve`` is allocated on a background thread that an early
+``acquire`` waits for; ``close()`` hands everything back. Through the engine: a warm arena allocates
+nothing on later steps of any smaller or mixed length, gradients bitwise."""
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import chameleon_swap as cs
+from chameleon_swap.copy import host_pool
+from chameleon_swap.copy.host_pool import (ALIGN, MIN_SLAB_BYTES, HostBuffer, HostMemoryError,
+                                           HostPool, align_up)
+from chameleon_swap.workloads import Llama, LlamaConfig
+
+from _helpers import assert_bitwise, grads, natural_peak, train_step
+
+KiB, MiB = 2**10, 2**20
+TINY = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")   # see conftest.py
+
+
+def ranges(bufs) -> dict:
+    """slab id -> sorted (start, end) of the buffers in ``bufs``."""
+    out: dict = {}
+    for b in bufs:
+        out.setdefault(id(b.slab), []).append((b.offset, b.offset + b.capacity))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def assert_disjoint(bufs) -> None:
+    for spans in ranges(bufs).values():
+        for (_, end), (start, _) in zip(spans, spans[1:]):
+            assert end <= start, spans
+
+
+def assert_all_free(pool: HostPool) -> None:
+    """Every slab is back to one free range covering all of it (coalescing worked)."""
+    sizes = pool.slab_sizes
+    assert pool.free_ranges() == [(i, 0, n) for i, n in enumerate(sizes)]
+    assert pool.in_use_bytes == 0 and pool.cached_bytes == pool.reserved_bytes == sum(sizes)
+
+
+# =========================================================================== sub-allocation
+@pytest.mark.parametrize("nbytes,expected", [(0, ALIGN), (1, ALIGN), (ALIGN, ALIGN),
+                                             (ALIGN + 1, 2 * ALIGN), (5000, 8192)])
+def test_align_up_gives_whole_pages(nbytes, expected):
+    assert align_up(nbytes) == expected
+
+
+def test_buffers_are_aligned_disjoint_ranges_of_one_slab():
+    pool = HostPool(64 * MiB, pin=False)
+    sizes = [5000, 1, 3 * MiB // 7, 4096, 70_000]
+    bufs = [pool.acquire(n) for n in sizes]
+    assert pool.allocations == 1 and pool.slab_sizes == [MIN_SLAB_BYTES]
+    assert len({id(b.slab) for b in bufs}) == 1
+    slab = bufs[0].slab.tensor
+    for b, n in zip(bufs, sizes):
+        assert isinstance(b, HostBuffer) and b.capacity == align_up(n)
+        assert b.tensor.dtype == torch.uint8 and b.tensor.device.type == "cpu"
+        assert not b.tensor.is_pinned()
+        assert b.tensor.untyped_storage().data_ptr() == slab.untyped_storage().data_ptr()
+        assert b.tensor.data_ptr() % ALIGN == 0                      # page-aligned start
+        v = b.view(n)
+        assert v.numel() == n and v.data_ptr() == b.tensor.data_ptr()
+    assert_disjoint(bufs)
+    # Writes through one buffer never show in another.
+    for i, b in enumerate(bufs):
+        b.tensor.fill_(i)
+    for i, b in enumerate(bufs):
+        assert bool((b.tensor == i).all())
+    assert pool.in_use_bytes == sum(align_up(n) for n in sizes)
+
+
+def test_released_ranges_coalesce_and_are_reused_without_allocating():
+    pool = HostPool(64 * MiB, pin=False)
+    a, b, c = pool.acquire(8 * KiB), pool.acquire(8 * KiB), pool.acquire(8 * KiB)
+    pool.release(a)
+    pool.release(c)                       # two holes; c's merges with the free tail
+    assert pool.free_ranges() == [(0, 0, 8 * KiB), (0, 16 * KiB, MIN_SLAB_BYTES - 16 * KiB)]
+    pool.release(b)                       # bridges both neighbours: one range again
+    assert_all_free(pool)
+    d = pool.acquire(24 * KiB)            # fits where the three were: first fit, offset 0
+    assert d.offset == 0 and pool.allocations == 1
+    with pytest.raises(RuntimeError, match="already released"):
+        pool.release(a)                   # a second release would corrupt the free list
+    pool.release(d)
+    assert_all_free(pool)
+
+
+def test_the_arena_grows_by_doubling_slabs_and_reuses_them_all():
+    pool = HostPool(1 << 40, pin=False)
+    held = [pool.acquire(MIN_SLAB_BYTES) for _ in range(4)]
+    # 2 MiB, then a slab as large as the arena: 2, 4, 8 MiB in all, never one per request.
+    assert pool.slab_sizes == [MIN_SLAB_BYTES, MIN_SLAB_BYTES, 2 * MIN_SLAB_BYTES]
+    big = pool.acquire(20 * MiB)          # larger than the arena: the slab is the next power of two
+    assert pool.slab_sizes[-1] == 32 * MiB and pool.allocations == 4
+    assert pool.allocated_bytes == pool.reserved_bytes == sum(pool.slab_sizes)
+    for b in held + [big]:
+        pool.release(b)
+    assert_all_free(pool)
+    before = pool.allocations
+    again = [pool.acquire(n) for n in (20 * MiB, MIN_SLAB_BYTES, 3 * MiB, 5000)]
+    assert pool.allocations == before    # the warm arena serves smaller and mixed sizes
+    assert_disjoint(again)
+
+
+def test_in_use_and_peak_stats():
+    pool = HostPool(1 << 30, pin=False)
+    a, b = pool.acquire(4096), pool.acquire(10_000)
+    assert pool.in_use_bytes == pool.peak_in_use_bytes == 4096 + 12 * KiB
+    pool.release(a)
+    assert pool.in_use_bytes == 12 * KiB
+    assert pool.cached_bytes == pool.reserved_bytes - 12 * KiB
+    assert pool.peak_in_use_bytes == 16 * KiB          # a peak does not go down
+    pool.release(b)
+    pool.acquire(4096)
+    assert pool.peak_in_use_bytes == 16 * KiB
+
+
+# =========================================================================== the limit
+def test_limit_raises_host_memory_error_naming_host_memory_limit():
+    pool = HostPool(3 * 4096, pin=False)
+    held = [pool.acquire(4096) for _ in range(3)]
+    assert pool.slab_sizes == [3 * 4096]               # the first slab is capped by the limit
+    with pytest.raises(HostMemoryError, match="host_memory_limit") as exc:
+        pool.acquire(1)
+    msg = str(exc.value)
+    assert "12.00 KiB" in msg                          # the limit, in readable units
+    assert "Raise host_memory_limit" in msg            # and what to do about it
+    assert isinstance(exc.value, RuntimeError)
+    assert cs.HostMemoryError is HostMemoryError       # exported at the top level
+    assert pool.in_use_bytes == 3 * 4096 and pool.allocations == 1   # a refusal changes nothing
+    pool.release(held.pop())
+    pool.acquire(1)                                    # room again, in the same slab
+    assert pool.allocations == 1
+
+
+def test_a_single_request_over_the_limit_raises_even_when_empty():
+    pool = HostPool(10 * KiB, pin=False)
+    with pytest.raises(HostMemoryError, match="host_memory_limit"):
+        pool.acquire(11 * KiB)
+    assert pool.in_use_bytes == 0 and pool.reserved_bytes == 0 and pool.allocations == 0
+
+
+def test_free_slabs_are_handed_back_to_make_room_for_a_larger_one():
+    pool = HostPool(16 * KiB, pin=False, reserve_bytes=8 * KiB)
+    assert pool.wait_reserve() and pool.slab_sizes == [8 * KiB]
+    pool.release(pool.acquire(8 * KiB))
+    b16 = pool.acquire(16 * KiB)                       # only fits once the 8 KiB slab is gone
+    assert b16.capacity == 16 * KiB and pool.slab_sizes == [16 * KiB]
+    assert pool.reserved_bytes == 16 * KiB
+
+
+def test_fragmentation_at_the_limit_is_a_clear_error():
+    pool = HostPool(16 * KiB, pin=False)
+    bufs = [pool.acquire(4 * KiB) for _ in range(4)]
+    pool.release(bufs[0])
+    pool.release(bufs[2])                              # 8 KiB free, as two 4 KiB holes
+    with pytest.raises(HostMemoryError, match="host_memory_limit") as exc:
+        pool.acquire(8 * KiB)
+    assert "too small" in str(exc.value) and "host_memory_reserve" in str(exc.value)
+    assert pool.in_use_bytes == 8 * KiB and pool.reserved_bytes == 16 * KiB
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), st.integers(1, 600 * KiB), st.integers(0, 10**6)),
+                    min_size=1, max_size=120),
+       limit_kib=st.sampled_from([512, 4096, 1 << 20]))
+def test_random_acquire_and_release_never_overlap_and_coalesce_back(ops, limit_kib):
+    limit = limit_kib * KiB
+    pool = HostPool(limit, pin=False)
+    held: list[HostBuffer] = []
+    for release, n, pick in ops:
+        if release and held:
+            pool.release(held.pop(pick % len(held)))
+        else:
+            try:
+                held.append(pool.acquire(n))
+            except HostMemoryError as e:
+                # Refused only when the limit is the reason: no room, or no room for a new slab.
+                assert pool.in_use_bytes + align_up(n) > limit or "too small" in str(e)
+                assert pool.reserved_bytes + align_up(n) > limit
+        assert_disjoint(held)
+        assert pool.in_use_bytes == sum(b.capacity for b in held)
+        assert pool.reserved_bytes <= limit and pool.peak_in_use_bytes <= limit
+        assert pool.reserved_bytes == sum(pool.slab_sizes)
+    for b in held:
+        pool.release(b)
+    assert_all_free(pool)
+
+
+def test_pool_is_consistent_under_concurrent_acquire_and_release():
+    pool = HostPool(64 * MiB, pin=False)
+    errors = []
+
+    def work(seed):
+        try:
+            g = torch.Generator().manual_seed(seed)
+            for _ in range(300):
+                n = int(torch.randint(1, 64 * KiB, (), generator=g))
+                pool.release(pool.acquire(n))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert_all_free(pool)
+
+
+# =========================================================================== reserve and close
+def test_reserve_is_one_slab_allocated_in_the_background():
+    pool = HostPool(64 * MiB, pin=False, reserve_bytes=8 * MiB)
+    assert pool.wait_reserve(timeout=60)
+    assert pool.slab_sizes == [8 * MiB] and pool.allocations == 1
+    bufs = [pool.acquire(n) for n in (3 * MiB, 2 * MiB, 5000, 2 * MiB)]
+    assert pool.allocations == 1                       # all of it served from the reserve
+    assert_disjoint(bufs)
+    pool.close()
+
+
+def test_reserve_over_the_limit_is_refused():
+    with pytest.raises(ValueError, match="host_memory_reserve.*host_memory_limit"):
+        HostPool(8 * MiB, pin=False, reserve_bytes=9 * MiB)
+
+
+def test_an_acquire_before_the_reserve_is_ready_waits_for_it(monkeypatch):
+    gate, started = threading.Event(), threading.Event()
+    real = host_pool._Slab
+
+    def slow_slab(size, pin):
+        started.set()
+        assert gate.wait(30)
+        return real(size, pin)
+
+    monkeypatch.setattr(host_pool, "_Slab", slow_slab)
+    pool = HostPool(64 * MiB, pin=False, reserve_bytes=8 * MiB)
+    assert started.wait(30)
+    got = []
+    t = threading.Thread(target=lambda: got.append(pool.acquire(MiB)))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive() and got == [] and pool.allocations == 0   # waiting, nothing beside it
+    assert pool.wait_reserve(timeout=0) is False
+    gate.set()
+    t.join(30)
+    assert len(got) == 1 and pool.allocations == 1 and pool.slab_sizes == [8 * MiB]
+    pool.close()
+
+
+def test_a_failed_reserve_is_reported_naming_host_memory_reserve(monkeypatch):
+    def no_memory(size, pin):
+        raise RuntimeError("simulated: cannot pin")
+
+    monkeypatch.setattr(host_pool, "_Slab", no_memory)
+    pool = HostPool(64 * MiB, pin=False, reserve_bytes=8 * MiB)
+    for call in (pool.wait_reserve, lambda: pool.acquire(1)):
+        with pytest.raises(HostMemoryError, match="host_memory_reserve.*simulated: cannot pin"):
+            call()
+    assert pool.reserved_bytes == 0
+    pool.close()
+
+
+def test_close_hands_back_every_slab_even_those_still_in_use():
+    pool = HostPool(1 << 30, pin=False, reserve_bytes=4 * MiB)
+    a = pool.acquire(3 * MiB)
+    b = pool.acquire(5 * MiB)                          # a second slab
+    pool.release(a)
+    pool.close()
+    assert pool.reserved_bytes == pool.slab_sizes[0] == b.slab.size  # only b's slab is left
+    pool.release(b)                                    # its last buffer returns: dropped too
+    assert pool.reserved_bytes == 0 and pool.slab_sizes == []
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.acquire(1)
+
+
+def test_close_waits_for_a_reserve_still_being_allocated():
+    pool = HostPool(1 << 30, pin=False, reserve_bytes=16 * MiB)
+    pool.close()
+    assert pool.reserved_bytes == 0 and not pool._reserver.is_alive()
+
+
+def test_allocating_host_is_set_only_while_the_arena_allocates(monkeypatch):
+    seen = []
+    real_empty = torch.empty
+
+    def spy(*args, **kwargs):
+        seen.append(host_pool.allocating_host())
+        return real_empty(*args, **kwargs)
+    pool = HostPool(2**30, pin=False)
+    monkeypatch.setattr(host_pool.torch, "empty", spy)
+    buf = pool.acquire(5000)          # the first slab: allocated under the flag
+    pool.release(buf)
+    pool.acquire(70_000)              # a range of it: no allocation at all
+    assert seen and all(seen) and pool.allocations == 1
+    assert host_pool.allocating_host() is False
+
+
+# =========================================================================== through the engine
+def llama():
+    torch.manual_seed(0)
+    return Llama(LlamaConfig(**TINY))
+
+
+def tokens(model, B, T, seed):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(model.config.vocab_size, (B, T + 1), generator=g)
+    return t[:, :-1], t[:, 1:]
+
+
+def test_a_warm_arena_allocates_nothing_for_smaller_and_mixed_lengths():
+    """One step at the longest length warms the arena; every later step, of any length up to
+    it, allocates no host memory, and every loss and gradient is bitwise the plain run's."""
+    model = llama()
+    lengths = [32, 8, 20, 13, 32, 5, 27, 16]
+    batches = [tokens(model, 2, T, seed=i) for i, T in enumerate(lengths)]
+    budget = int(natural_peak(model, batches[1]) * 0.3)   # forces offloads at every length
+    ref, test = copy.deepcopy(model), copy.deepcopy(model)
+    with cs.Chameleon(budget, device="cpu", min_tensor_bytes=0, policy="guard") as eng:
+        for i, b in enumerate(batches):
+            ref.zero_grad(set_to_none=True)
+            test.zero_grad(set_to_none=True)
+            loss_ref = train_step(ref, b)
+            loss = train_step(test, b, eng)
+            assert_bitwise(loss_ref, grads(ref), loss, grads(test))
+            s = eng.last_step
+            assert s.offloaded_tensors > 0 and eng.host_bytes_in_use == 0
+            if i == 0:
+                assert s.host_allocated_bytes == eng.host_bytes_reserved > 0
+            else:
+                assert s.host_allocated_bytes == 0, (i, lengths[i], s)
+        assert eng.host_bytes_reserved > 0
+    assert eng.host_bytes_reserved == 0                # close() handed it all back
+
+
+def test_host_memory_reserve_serves_the_first_step():
+    model = llama()
+    batch = tokens(model, 2, 16, seed=0)
+    with cs.Chameleon(0, device="cpu", min_tensor_bytes=0, host_memory_reserve="8MiB") as eng:
+        assert eng._pool.wait_reserve(timeout=60)
+        assert eng.host_bytes_reserved == 8 * MiB and eng.host_bytes_in_use == 0
+        train_step(model, batch, eng)
+        s = eng.last_step
+        assert 0 < s.host_peak_bytes < 8 * MiB and s.offloaded_tensors > 0
+        assert s.host_allocated_bytes == 0 and eng.host_bytes_reserved == 8 * MiB
+    assert eng.host_bytes_reserved == 0
+
+
+def test_host_memory_reserve_over_the_limit_names_both():
+    with pytest.raises(ValueError) as exc:
+        cs.Chameleon(device="cpu", host_memory_limit="1MiB", host_memory_reserve="2MiB")
+    assert "host_memory_reserve" in str(exc.value) and "host_memory_limit" in str(exc.value)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_slabs_are_pinned_and_allocations_stay_flat_after_warm_up():
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**TINY)).cuda()
+    lengths = [32, 8, 20, 32, 5, 27]
+    with cs.Chameleon(0, device="cuda", min_tensor_bytes=0) as eng:
+        pool = eng._pool
+        for i, T in enumerate(lengths):
+            x, y = tokens(model, 2, T, seed=i)
+            train_step(model, (x.cuda(), y.cuda()), eng)
+            model.zero_grad(set_to_none=True)
+            if i == 0:
+                warm = pool.allocations
+                assert warm > 0
+                assert all(slab.tensor.is_pinned() for slab in pool._slabs)
+            else:
+                assert pool.allocations == warm and eng.last_step.host_allocated_bytes == 0
+    assert eng.host_bytes_reserved == 0
