@@ -7,7 +7,7 @@
 * Memory, measured by the caching allocator rather than by the engine: offloaded activations
   really leave the device; with ``device_memory_limit`` the step's ``max_memory_allocated`` stays
   under the limit from the second step on (the first one learns the non-activation peak).
-* Mechanism (DESIGN.md, LESSONS 1, 2, 7, 8): no ``record_stream``; the pinned host pool is reused
+* Mechanism (docs/ARCHITECTURE.md, LESSONS 1, 2, 7, 8): no ``record_stream``; the pinned host pool is reused
   across steps with no fresh pinned allocation; no host synchronisation inside a step beyond what
   the model itself does; ``stall_seconds`` is a finite, non-negative part of the step.
 * The CUDA sanitizer (CSAN): a small bitwise scenario in a child interpreter with

@@ -1,6 +1,6 @@
 """Host buffers for offloaded storages: size-classed, reused across steps, bounded.
 
-A fresh pinned allocation costs milliseconds (LESSONS.md 8), so buffers are kept in free lists by
+A fresh pinned allocation costs milliseconds (LESSONS 8), so buffers are kept in free lists by
 size class and handed out again in later steps. The pool never holds more than ``limit_bytes``
 (buffers in use plus cached free ones); when a request cannot fit even after dropping every cached
 buffer it raises :class:`HostMemoryError`, naming the limit, instead of stalling or crashing.
