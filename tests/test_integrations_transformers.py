@@ -12,6 +12,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")     # the Trainer needs it
 
 import chameleon_swap as cs  # noqa: E402
 from chameleon_swap.integrations import transformers as cs_hf  # noqa: E402
@@ -160,7 +161,7 @@ def test_unknown_engine_keyword_fails_at_construction():
 
 # ---------------------------------------------------------------------------- Accelerate
 def accelerate_run(use_engine: bool):
-    accelerate = pytest.importorskip("accelerate")
+    import accelerate
     acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
     model = tiny_llama()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
