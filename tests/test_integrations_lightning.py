@@ -103,3 +103,19 @@ def test_exception_releases_the_step():
     assert [s.failed for s in cb.engine.history] == [False, True]
     assert cb.engine.host_bytes_in_use == 0
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def test_module_is_passed_where_the_engine_takes_model(monkeypatch):
+    import chameleon_swap as cs
+    seen = []
+
+    class WithModel(cs.Chameleon):
+        def __init__(self, budget=None, *, model=None, **kwargs):
+            seen.append((model, kwargs.get("device")))
+            super().__init__(budget, **kwargs)
+
+    monkeypatch.setattr(cs, "Chameleon", WithModel)
+    cb = cs_pl.ChameleonCallback(budget=BUDGET, min_tensor_bytes=0)
+    module, _ = fit(cb)
+    assert seen == [(module, module.device)]
+    assert len(cb.engine.history) == 3
