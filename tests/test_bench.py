@@ -316,6 +316,11 @@ def test_demo_end_to_end(tmp_path, capsys):
     assert s["overhead_ratio"] > 0 and s["sequence_changes"] >= 1
     screen = capsys.readouterr().out
     assert "budget held on every step" in screen and "losses identical" in screen
+    # The header states the budget's share of each workload's own peak, not only of the larger.
+    header = screen.splitlines()[1]
+    for name, w in s["workloads"].items():
+        share = s["budget_bytes"] / w["natural_peak_bytes"]
+        assert f"{share:.0%} of {name}'s" in header
     try:
         import matplotlib  # noqa: F401
         assert (out / "demo.png").stat().st_size > 10000

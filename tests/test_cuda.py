@@ -7,7 +7,7 @@
 * Memory, measured by the caching allocator rather than by the engine: offloaded activations
   really leave the device; with ``device_memory_limit`` the step's ``max_memory_allocated`` stays
   under the limit from the second step on (the first one learns the non-activation peak).
-* Mechanism (DESIGN.md, LESSONS 1, 2, 7, 8): no ``record_stream``; the pinned host arena is reused
+* Mechanism (docs/ARCHITECTURE.md, LESSONS 1, 2, 7, 8): no ``record_stream``; the pinned host arena is reused
   across steps with no fresh pinned allocation; no host synchronisation inside a step beyond what
   the model itself does; ``stall_seconds`` is a finite, non-negative part of the step.
 * The CUDA sanitizer (CSAN): a small bitwise scenario in a child interpreter with
@@ -452,7 +452,7 @@ def _sync_warnings(fn) -> int:
 @pytest.mark.parametrize("fraction", [None, 0.5, 0.0])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_engine_adds_no_host_synchronisation(name, fraction):
-    """DESIGN: no host synchronisation inside a step on CUDA. The engine waits on the host only
+    """docs/ARCHITECTURE.md: no host synchronisation inside a step on CUDA. The engine waits on the host only
     through events when the budget forces it (not flagged by the debug mode); it must add no
     ``.item()``, no pageable copy, no stream synchronize to what the model itself does."""
     make, make_batches = MODELS[name]

@@ -503,3 +503,18 @@ def test_small_tensors_move_when_the_budget_needs_it(fraction):
     for s in history:
         assert s.peak_resident_bytes <= budget
         assert s.offloaded_bytes >= s.saved_bytes - budget > 0
+
+
+def test_one_info_line_per_step_on_the_chameleon_swap_logger(caplog):
+    """The README's logging section: one INFO record per step on the ``chameleon_swap`` logger,
+    the step's StepStats as text."""
+    import logging
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    with caplog.at_level(logging.INFO, logger="chameleon_swap"):
+        with cs.Chameleon(1024, device="cpu", min_tensor_bytes=0) as eng:
+            for _ in range(2):
+                with eng.step():
+                    model(torch.randn(8, 32)).sum().backward()
+    records = [r for r in caplog.records if r.name == "chameleon_swap"]
+    assert [r.levelno for r in records] == [logging.INFO] * 2
+    assert [r.getMessage() for r in records] == [str(s) for s in eng.history]

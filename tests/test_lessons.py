@@ -1,4 +1,4 @@
-"""One test (or a few) per line of /work/shared/LESSONS.md: bugs that shipped in public offloading
+"""One test (or a few) per line of docs/LESSONS.md: bugs that shipped in public offloading
 projects, each checked here so that it fails if the bug comes back.
 
 CPU only. The CPU copy engine's two worker threads stand in for the CUDA copy streams (same

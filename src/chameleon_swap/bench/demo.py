@@ -147,8 +147,9 @@ def screen(summary: dict, figure: Optional[Path], out_dir: Path) -> str:
     lines = [f"chameleon-swap demo on {summary['device_name']} ({summary['device']}, "
              f"{summary['cpu_threads']} compute thread(s)), torch {summary['torch']}",
              f"{summary['steps_per_workload']} steps per workload ({summary['warmup_steps']} "
-             f"warm-up), policy 'chameleon', budget {format_bytes(summary['budget_bytes'])} = "
-             f"{summary['budget_fraction']:.0%} of the natural activation peak", "",
+             f"warm-up), policy 'chameleon', one budget {format_bytes(summary['budget_bytes'])} "
+             f"= {summary['budget_fraction']:.0%} of the larger natural activation peak: "
+             + ", ".join(f"{w[n]['budget_fraction_of_natural']:.0%} of {n}'s" for n in names), "",
              " " * width + "".join(n.ljust(col) for n in names),
              " " * width + "".join(("-" * (col - 2)).ljust(col) for _ in names)]
     for label, vals in rows:

@@ -1,6 +1,6 @@
 """CUDA copy engine: one D2H and one H2D stream, ordered by events, with deferred frees.
 
-Rules (DESIGN.md, LESSONS.md 1, 2, 3, 7):
+Rules (docs/ARCHITECTURE.md; docs/LESSONS.md 1, 2, 3, 7):
 * the D2H stream waits on an event recorded on the compute stream when the tensor was saved;
 * a device tensor being copied out stays referenced here until its copy event has completed; then
   the compute stream waits on that (already complete) event before the reference is dropped, so the
