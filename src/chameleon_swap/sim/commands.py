@@ -352,10 +352,18 @@ def configure_trace(p: argparse.ArgumentParser) -> None:
 
 def run_trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
-        if bool(args.workload) == bool(args.model):
-            raise ValueError("give either --model (with --hardware) for an analytic trace or "
-                             "--workload for a recorded one")
-        if args.model:
+        if sum(map(bool, (args.workload, args.model, args.hf))) != 1:
+            raise ValueError("give one of --model (with --hardware) for an analytic trace, --hf "
+                             "(with --hardware) for one traced on fake tensors, or --workload "
+                             "for a recorded one")
+        if args.hf:
+            hw = _hardware(args)
+            traced = _traced(args, hw)
+            trace = traced.trace()
+            path = save_trace(trace, args.out)
+            msg = (f"wrote {path}: {traced.describe()}, {len(trace.steps[0].tensors)} saved "
+                   f"tensors, {format_bytes(trace.steps[0].activation_bytes)} of activations")
+        elif args.model:
             hw = _hardware(args)
             trace = generate(_config(args), hw)
             path = save_trace(trace, args.out)
@@ -380,4 +388,9 @@ def run_trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                           "source": trace.source}))
     else:
         print(msg)
+    if args.plot:
+        try:
+            report.plot_trace(trace, msg.split(": ", 1)[-1][:120], args.plot)
+        except ValueError as exc:
+            parser.error(str(exc))
     return 0
