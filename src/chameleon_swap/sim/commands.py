@@ -279,6 +279,10 @@ def configure_compare(p: argparse.ArgumentParser) -> None:
 
 def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
+        if args.hf:
+            raise ValueError("--hf: compare sweeps tensor-parallel degrees, which re-shard a "
+                             "model; a traced model cannot be re-sharded (use simulate or "
+                             "capacity with --hf, or compare with --models)")
         hw = _hardware(args)
         models = ([m.strip() for m in args.models.split(",") if m.strip()] if args.models
                   else ([args.model] if args.model else family()))

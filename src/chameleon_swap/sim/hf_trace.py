@@ -11,10 +11,10 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from .fake_trace import Recording
 from .hardware import Hardware
 from .trace import Step, Tensor, Trace
-from .traced import CACHE_VERSION, OPTIMIZERS, TRACED_LAYERS, cache_dir, scale_layers
+from .traced import (CACHE_VERSION, OPTIMIZERS, TRACED_LAYERS, Recording, cache_dir,
+                     scale_layers)
 
 DTYPES = ("bf16", "fp32")
 

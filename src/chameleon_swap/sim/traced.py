@@ -16,14 +16,63 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .fake_trace import Recording, SavedTensor
 
 TRACED_LAYERS = 4
 OPTIMIZERS = {"sgd": 0, "adamw": 2}     # moments kept per parameter, in the parameter's dtype
 CACHE_VERSION = 1
+
+
+@dataclass
+class SavedTensor:
+    nbytes: int               # the storage's bytes, once per storage
+    dtype: str
+    shape: tuple
+    module: str               # path of the innermost module running when it was saved
+    order: int                # save order among the step's distinct storages
+    saved_at: int             # forward segment during which it was saved
+    first_used_at: int = -1   # backward slot of its first unpack; -1: never unpacked
+    input_of: tuple = ()      # the modules that took this storage as their first input
+
+
+@dataclass
+class Recording:
+    """One step as the tracer saw it. ``segment_ops`` holds, per slot (forward segments then
+    backward ones), the ops' ``(flops, bytes, low_precision)``; ``segment_module`` the module path
+    each slot belongs to ("" outside every module)."""
+    segment_ops: list
+    segment_module: list
+    n_forward: int
+    tensors: list                 # of SavedTensor, in save order
+    skipped_bytes: Optional[int]  # parameters, buffers and views saved (None once scaled)
+    param_bytes: int
+    grad_bytes: int               # gradients of parameters the step left behind
+    peak_bytes: Optional[int]     # most bytes allocated during the step at once (None once
+                                  # scaled: the peak is not a sum of layers)
+    transient_bytes: int          # most bytes at once that were neither saved nor gradients
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def activation_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def to_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["tensors"] = [dict(t.__dict__, shape=list(t.shape), input_of=list(t.input_of))
+                        for t in self.tensors]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Recording":
+        d = dict(d)
+        d["tensors"] = [SavedTensor(**dict(t, shape=tuple(t["shape"]), input_of=tuple(t["input_of"])))
+                        for t in d["tensors"]]
+        d["segment_ops"] = [[tuple(op) for op in seg] for seg in d["segment_ops"]]
+        return cls(**d)
+
 
 
 def cache_dir() -> Path:
