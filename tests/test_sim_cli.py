@@ -54,7 +54,7 @@ def test_simulate_table_and_plot(capsys, tmp_path):
     (["capacity", "--model", "llama-7b"], "--hardware is required"),
     (["compare", *SIM, "--models", "llama-7b,nope"], "model must be one of"),
     (["compare", *SIM, "--degrees", "two"], "--degrees must be"),
-    (["trace", "--out", "x.json"], "either --model"),
+    (["trace", "--out", "x.json"], "one of --model"),
 ])
 def test_errors_name_the_argument_and_the_accepted_values(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
@@ -180,3 +180,19 @@ def test_model_from_a_json_file(capsys, tmp_path):
     with pytest.raises(SystemExit):
         cli.main(["simulate", "--model", str(f), *SIM])
     assert "unknown: ['layerz']" in capsys.readouterr().err
+
+
+def test_simulate_trace_with_the_default_policies_leaves_tp_out(capsys, tmp_path):
+    path = tmp_path / "t.json"
+    assert cli.main(["trace", "--model", "llama3.2-1b", *SIM, "--out", str(path)]) == 0
+    capsys.readouterr()
+    out = run_json(capsys, ["simulate", "--trace", str(path), *SIM, "--json"])
+    assert set(out["policies"]) == set(policies.POLICIES)
+
+
+def test_trace_plot_writes_the_figure(capsys, tmp_path):
+    png = tmp_path / "trace.png"
+    assert cli.main(["trace", "--model", "llama3.2-1b", *SIM, "--out", str(tmp_path / "t.json"),
+                     "--plot", str(png)]) == 0
+    pytest.importorskip("matplotlib")
+    assert png.stat().st_size > 1000

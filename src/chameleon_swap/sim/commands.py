@@ -28,6 +28,14 @@ def _add_model_args(p: argparse.ArgumentParser, model_required: bool = False) ->
     p.add_argument("--model", required=model_required, default=None, metavar="NAME|FILE",
                    help=f"a preset ({', '.join(PRESETS)}) or a JSON file of ModelConfig fields "
                         f"(layers, hidden, heads, kv_heads, ffn, vocab, experts, top_k, ...)")
+    p.add_argument("--hf", default=None, metavar="CONFIG.json|MODEL_TYPE",
+                   help="a Hugging Face causal LM (a config.json or a transformers model_type), "
+                        "its saved bytes traced from its code on fake tensors instead of the "
+                        "formula of --model (cached under $CHAMELEON_SWAP_CACHE, else "
+                        "$XDG_CACHE_HOME/chameleon-swap or ~/.cache/chameleon-swap)")
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"),
+                   help="--hf model states: sgd keeps weights and gradients, adamw also two "
+                        "moments (default adamw)")
     p.add_argument("--hardware", required=False, default=None, metavar="NAME|FILE",
                    help=f"a built-in profile ({', '.join(builtin_names())}) or a JSON file")
     p.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
@@ -46,6 +54,17 @@ def _config(args, name: Optional[str] = None) -> ModelConfig:
     name = name or args.model or DEFAULT_MODEL
     return resolve(name, seq=args.seq, micro_batch=args.micro_batch, dtype=args.dtype,
                    flash=args.flash, tp=args.tp, dp_shard=args.dp_shard)
+
+
+def _traced(args, hw):
+    """The ``--hf`` model, or None; ``--model`` and ``--hf`` exclude each other."""
+    if not args.hf:
+        return None
+    if args.model:
+        raise ValueError("give either --model (formula estimate) or --hf (traced), not both")
+    from .hf_trace import TracedModel
+    return TracedModel(args.hf, hw, seq=args.seq, micro_batch=args.micro_batch,
+                       dtype=args.dtype, optimizer=args.optimizer)
 
 
 def _hardware(args, required: bool = True):
@@ -92,18 +111,22 @@ def configure_simulate(p: argparse.ArgumentParser) -> None:
 
 def run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
-        policies = _policies(args.policies)
+        # tpN re-shards the formula's model: a recorded or traced step cannot be re-sharded, so
+        # the default list leaves it out there (asked for by name, it is an error).
+        fixed = bool(args.trace or args.hf)
+        policies = _policies(args.policies, POLICIES if fixed else DEFAULT_POLICIES)
         budget = parse_size(args.budget, "--budget")
-        if args.trace and args.model:
-            raise ValueError("give either --model or --trace, not both")
+        if args.trace and (args.model or args.hf):
+            raise ValueError("give one of --model, --hf or --trace")
         hw = _hardware(args, required=not args.trace)
-        if args.trace:
-            trace = load_trace(args.trace)
+        traced = _traced(args, hw)
+        if fixed:
+            trace = traced.trace() if traced else load_trace(args.trace)
             cfg = None
             for p in policies:
                 if TP_RE.match(p):
-                    raise ValueError(f"--policies: {p} needs a model (--model): a recorded trace "
-                                     f"cannot be re-sharded")
+                    raise ValueError(f"--policies: {p} needs a model (--model): a recorded or "
+                                     f"traced step cannot be re-sharded")
         else:
             cfg = _config(args)
             trace = generate(cfg, hw)
@@ -131,8 +154,9 @@ def run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
                           "policies": {k: r.as_dict() for k, r in results.items()}}))
     else:
         s0 = steps[0]
-        head = [cfg.describe() if cfg else f"trace: {args.trace} ({len(steps)} steps, "
-                f"{trace.source})"]
+        head = [f"{cfg.describe()} (activations: formula estimate)" if cfg else
+                traced.describe() if traced else
+                f"trace: {args.trace} ({len(steps)} steps, {trace.source})"]
         if hw:
             head.append(_hw_line(hw))
         else:
@@ -141,6 +165,9 @@ def run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
                     f"{format_bytes(s0.workspace_bytes)}, natural activation peak "
                     f"{format_bytes(max(s.activation_bytes for s in steps))}, budget "
                     f"{format_bytes(budget)}")
+        if traced and trace.meta.get("step_peak_bytes"):
+            head.append(f"traced step peak above the weights (activations, gradients, logits "
+                        f"and other transients): {format_bytes(trace.meta['step_peak_bytes'])}")
         compute = sum(s.compute_seconds for s in steps) / len(steps)
         head.append(f"compute {compute:.4f} s per step; lower bound for any swap schedule "
                     f"holding the budget {lb:.4f} s")
@@ -160,7 +187,7 @@ def run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     if args.plot:
         try:
             report.plot_simulate(results, lb, hw.usable_bytes if hw else None,
-                                 head_title(cfg, hw, budget), args.plot)
+                                 head_title(cfg or traced, hw, budget), args.plot)
         except ValueError as exc:
             parser.error(str(exc))
     return 0
@@ -185,12 +212,21 @@ def run_capacity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     try:
         policies = _policies(args.policies, POLICIES)
         hw = _hardware(args)
-        cfg = _config(args)
-        generate(cfg, hw)              # fail fast on a dtype the hardware lacks
+        cfg = _traced(args, hw)
+        if cfg is None:
+            cfg = _config(args)
+            generate(cfg, hw)          # fail fast on a dtype the hardware lacks
+        else:
+            cfg.trace()
     except ValueError as exc:
         parser.error(str(exc))
-    with report.progress(3 * len(policies), "capacity", not args.json) as advance:
-        cap = sweeps.capacity(cfg, hw, policies, advance)
+    axes = 3 if isinstance(cfg, ModelConfig) else 2
+    with report.progress(axes * len(policies), "capacity", not args.json) as advance:
+        if axes == 3:
+            cap = sweeps.capacity(cfg, hw, policies, advance)
+        else:
+            from .hf_trace import capacity as traced_capacity
+            cap = traced_capacity(cfg, policies, advance)
     if args.json:
         print(json.dumps({"hardware": hw.name, "model": cfg.name, "seq": cfg.seq,
                           "micro_batch": cfg.micro_batch, "device_memory_bytes":
@@ -214,6 +250,8 @@ def capacity_text(cap: dict, cfg: ModelConfig, hw, markdown: bool = False) -> st
              ("micro_batch", f"largest micro-batch for {cfg.name} at seq {cfg.seq}",
               lambda p: p["micro_batch"]))
     for axis, title, show in specs:
+        if any(axis not in row for row in cap.values()):
+            continue                   # a traced model has no family of sizes
         rows = []
         for pol, row in cap.items():
             p = row[axis]
@@ -241,6 +279,10 @@ def configure_compare(p: argparse.ArgumentParser) -> None:
 
 def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
+        if args.hf:
+            raise ValueError("--hf: compare sweeps tensor-parallel degrees, which re-shard a "
+                             "model; a traced model cannot be re-sharded (use simulate or "
+                             "capacity with --hf, or compare with --models)")
         hw = _hardware(args)
         models = ([m.strip() for m in args.models.split(",") if m.strip()] if args.models
                   else ([args.model] if args.model else family()))
@@ -314,10 +356,18 @@ def configure_trace(p: argparse.ArgumentParser) -> None:
 
 def run_trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
-        if bool(args.workload) == bool(args.model):
-            raise ValueError("give either --model (with --hardware) for an analytic trace or "
-                             "--workload for a recorded one")
-        if args.model:
+        if sum(map(bool, (args.workload, args.model, args.hf))) != 1:
+            raise ValueError("give one of --model (with --hardware) for an analytic trace, --hf "
+                             "(with --hardware) for one traced on fake tensors, or --workload "
+                             "for a recorded one")
+        if args.hf:
+            hw = _hardware(args)
+            traced = _traced(args, hw)
+            trace = traced.trace()
+            path = save_trace(trace, args.out)
+            msg = (f"wrote {path}: {traced.describe()}, {len(trace.steps[0].tensors)} saved "
+                   f"tensors, {format_bytes(trace.steps[0].activation_bytes)} of activations")
+        elif args.model:
             hw = _hardware(args)
             trace = generate(_config(args), hw)
             path = save_trace(trace, args.out)
@@ -342,4 +392,9 @@ def run_trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                           "source": trace.source}))
     else:
         print(msg)
+    if args.plot:
+        try:
+            report.plot_trace(trace, msg.split(": ", 1)[-1][:120], args.plot)
+        except ValueError as exc:
+            parser.error(str(exc))
     return 0

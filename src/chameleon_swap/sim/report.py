@@ -91,10 +91,13 @@ def plot_simulate(results: dict, lower_bound: float, device_bytes: Optional[int]
 def plot_capacity(cap: dict, title: str, path: str) -> None:
     plt = _pyplot()
     names = list(cap)
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
-    for ax, axis, label in zip(axes, ("model", "seq", "micro_batch"),
-                               ("largest model (B params)", "longest sequence",
-                                "largest micro-batch")):
+    # A traced model (--hf) has no family of sizes: no "model" axis.
+    specs = [(axis, label) for axis, label in (("model", "largest model (B params)"),
+                                               ("seq", "longest sequence"),
+                                               ("micro_batch", "largest micro-batch"))
+             if all(axis in row for row in cap.values())]
+    fig, axes = plt.subplots(1, len(specs), figsize=(4.7 * len(specs), 4.2))
+    for ax, (axis, label) in zip(axes, specs):
         vals, ratios = [], []
         for n in names:
             p = cap[n][axis]
@@ -137,6 +140,33 @@ def plot_compare(rows: list[dict], title: str, path: str) -> None:
     ax.set_xticks(range(len(rows)), models, rotation=30, fontsize=8)
     ax.set_ylabel("tokens / s per device")
     ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_trace(trace, title: str, path: str) -> None:
+    """Saved activations on the device over one step with nothing moved: each tensor from the
+    forward slot that saves it to the backward slot that first needs it (the trace does not say
+    when backward last uses it), one line per step."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    for k, step in enumerate(trace.steps):
+        delta = [0] * (step.n_slots + 1)
+        for t in step.tensors:
+            delta[t.saved_at] += t.nbytes
+            delta[min(t.first_used_at, step.n_slots - 1) + 1] -= t.nbytes
+        level, ys = 0, []
+        for d in delta[:-1]:
+            level += d
+            ys.append(level / 2**30)
+        ax.plot(range(step.n_slots), ys, lw=1, label=step.tag or f"step {k}")
+        ax.axvline(step.n_forward - 0.5, color="k", ls=":", lw=0.8)
+    ax.set_xlabel("slot (forward, then backward)")
+    ax.set_ylabel("saved activations, GiB")
+    if len(trace.steps) <= 8:
+        ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

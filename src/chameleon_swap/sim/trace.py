@@ -26,7 +26,7 @@ from ..timeline import Profile, Span
 
 FORMAT = "chameleon-swap-trace"
 VERSION = 1
-SOURCES = ("profiler", "analytic")
+SOURCES = ("profiler", "analytic", "traced")
 
 
 @dataclass(frozen=True)

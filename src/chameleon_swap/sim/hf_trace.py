@@ -1,0 +1,220 @@
+"""A Hugging Face causal LM, traced on fake tensors, as a simulator trace (see ``traced``).
+
+``--hf`` takes a ``config.json`` (any transformers config with a ``model_type``) or a bare
+``model_type`` (its default config, e.g. ``llama``). ``--dtype bf16`` means what mixed precision
+training runs: fp32 weights under ``torch.autocast`` to bf16; ``fp32`` runs without autocast.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Optional
+
+from .hardware import Hardware
+from .trace import Step, Tensor, Trace
+from .traced import (CACHE_VERSION, OPTIMIZERS, TRACED_LAYERS, Recording, cache_dir,
+                     scale_layers)
+
+DTYPES = ("bf16", "fp32")
+
+
+def hf_config(spec: str, **overrides):
+    """The transformers config of ``spec`` (a config.json or a model_type) with ``overrides``."""
+    from ..workloads.hf import import_transformers
+    import_transformers()
+    from transformers import AutoConfig
+    path = Path(spec)
+    if spec.endswith(".json") or path.is_file():
+        if not path.is_file():
+            raise ValueError(f"--hf: no such file {spec!r}")
+        try:
+            fields = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--hf: {spec} is not valid JSON ({exc})") from exc
+        if not isinstance(fields, dict) or "model_type" not in fields:
+            raise ValueError(f"--hf: {spec} must be a transformers config with a model_type")
+        spec = fields.pop("model_type")
+    else:
+        fields = {}
+    fields.update(overrides)
+    fields["use_cache"] = False
+    try:
+        return AutoConfig.for_model(spec, **fields)
+    except ValueError as exc:
+        raise ValueError(f"--hf: {spec!r} is neither a config.json nor a transformers "
+                         f"model_type ({exc})") from None
+
+
+def _record(cfg, seq: int, micro_batch: int, dtype: str, attn: str, use_cache: bool) -> Recording:
+    import torch
+    import transformers
+    key = hashlib.sha256(json.dumps(
+        [CACHE_VERSION, cfg.to_dict(), seq, micro_batch, dtype, attn, torch.__version__,
+         transformers.__version__], sort_keys=True, default=str).encode()).hexdigest()[:24]
+    path = cache_dir() / f"trace-{key}.json"
+    if use_cache and path.is_file():
+        try:
+            return Recording.from_dict(json.loads(path.read_text()))
+        except (ValueError, TypeError, KeyError):
+            pass                                  # a stale or damaged entry: trace again
+    rec = _run(cfg, seq, micro_batch, dtype, attn)
+    if use_cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rec.to_dict()))
+        tmp.replace(path)
+    return rec
+
+
+def _run(cfg, seq: int, micro_batch: int, dtype: str, attn: str) -> Recording:
+    import unittest.mock
+    import torch
+    import transformers.masking_utils as masking
+    from transformers import AutoModelForCausalLM
+    from .fake_trace import trace_module
+
+    def loss_fn(model):
+        ids = torch.zeros(micro_batch, seq, dtype=torch.long)
+        return model(input_ids=ids, labels=ids).loss
+
+    # transformers reads position ids to detect packed sequences; fake ones cannot be read, and
+    # it would then build a seq x seq mask a real unpacked batch never has.
+    no_packing = unittest.mock.patch.object(masking, "find_packed_sequence_indices",
+                                            lambda *a, **k: None)
+    with no_packing:
+        rec = trace_module(lambda: AutoModelForCausalLM.from_config(
+            cfg, attn_implementation=attn, dtype=torch.float32),
+                           loss_fn, autocast=torch.bfloat16 if dtype == "bf16" else None)
+    rec.extra.update(seq=seq, micro_batch=micro_batch, dtype=dtype, attn=attn,
+                     model_type=cfg.model_type)
+    return rec
+
+
+def trace_hf(spec: str, *, seq: int, micro_batch: int = 1, dtype: str = "bf16",
+             attn: str = "sdpa", scale: bool = True, use_cache: bool = True,
+             **overrides) -> Recording:
+    """One training step of the causal LM of ``spec`` at ``seq`` x ``micro_batch`` tokens."""
+    for name, v in (("seq", seq), ("micro_batch", micro_batch)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name} must be a positive int; got {v!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype for --hf must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    cfg = hf_config(spec, **overrides)
+    if hasattr(cfg, "max_position_embeddings") and cfg.max_position_embeddings < seq:
+        cfg.max_position_embeddings = seq
+    layers = getattr(cfg, "num_hidden_layers", None)
+    kinds = getattr(cfg, "layer_types", None)
+    uniform = not kinds or len(set(kinds)) == 1
+    if scale and uniform and isinstance(layers, int) and layers > TRACED_LAYERS:
+        small = hf_config(spec, **{**overrides, "num_hidden_layers": TRACED_LAYERS})
+        if kinds:
+            small.layer_types = list(kinds[:TRACED_LAYERS])
+        small.max_position_embeddings = cfg.max_position_embeddings
+        rec = _record(small, seq, micro_batch, dtype, attn, use_cache)
+        prefix = rec.extra.get("block_prefix")
+        scaled = scale_layers(rec, prefix, layers) if prefix else None
+        if scaled is not None:
+            return scaled
+    return _record(cfg, seq, micro_batch, dtype, attn, use_cache)
+
+
+def to_trace(rec: Recording, hw: Hardware, optimizer: str = "adamw", name: str = "") -> Trace:
+    """The simulator's trace of ``rec`` timed on ``hw``: each op a roofline, ``max(flops /
+    achievable FLOP/s, bytes / achievable memory bandwidth)``, in bf16 when it reads bf16 or fp16
+    inputs, else fp32. Model states: weights and gradients, plus the optimizer's moments."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}; got {optimizer!r}")
+    low, full, mem = hw.flops("bf16"), hw.flops("fp32"), hw.memory_bytes_per_s
+    segments = [sum(max(f / (low if lp else full), b / mem) for f, b, lp in seg)
+                for seg in rec.segment_ops]
+    prefix, x = rec.extra.get("block_prefix"), rec.extra
+    from .traced import _block_of
+    blocks = [_block_of(m, prefix) if prefix else None for m in rec.segment_module]
+    seq = x.get("seq", 0)
+    tensors, kinds = [], [""] * rec.n_forward
+    for t in rec.tensors:
+        b = _block_of(t.module, prefix) if prefix else None
+        kind = ""
+        if b is not None and f"{prefix}.{b}" in t.input_of:
+            kind = "block_input"
+        elif b is not None and len(t.shape) == 4 and tuple(t.shape[-2:]) == (seq, seq):
+            # (batch, heads, seq, seq): a score or probability matrix of eager attention
+            kind = kinds[t.saved_at] = "attn_core"
+        tensors.append(Tensor(t.nbytes, t.saved_at, t.first_used_at, True, b, kind))
+    states = rec.param_bytes + rec.grad_bytes + OPTIMIZERS[optimizer] * rec.param_bytes
+    tokens = x.get("seq", 0) * x.get("micro_batch", 0)
+    step = Step(segments=segments, n_forward=rec.n_forward, tensors=tensors,
+                model_state_bytes=states, workspace_bytes=rec.transient_bytes, tokens=tokens,
+                tag=f"{name} seq={seq} mb={x.get('micro_batch')} traced",
+                segment_block=blocks[:rec.n_forward], segment_kind=kinds)
+    meta = {"model": name, "hardware": hw.name, "optimizer": optimizer,
+            "params": rec.param_bytes // 4,                # weights are built in fp32
+            "traced_layers": x.get("traced_layers", x.get("layers")), "layers": x.get("layers"),
+            "step_peak_bytes": rec.peak_bytes, "settings": {k: x.get(k) for k in (
+                "seq", "micro_batch", "dtype", "attn", "model_type")}}
+    return Trace(steps=[step], source="traced", meta=meta, d2h_bytes_per_s=hw.d2h,
+                 h2d_bytes_per_s=hw.h2d)
+
+
+class TracedModel:
+    """What the commands need to know of a ``--hf`` model: traces at any run settings (cached
+    per setting) and a one-line description."""
+
+    def __init__(self, spec: str, hw: Hardware, *, seq: int, micro_batch: int, dtype: str,
+                 optimizer: str, attn: str = "sdpa") -> None:
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}; "
+                             f"got {optimizer!r}")
+        self.spec, self.hw, self.dtype, self.optimizer, self.attn = spec, hw, dtype, optimizer, attn
+        self.seq, self.micro_batch = seq, micro_batch
+        self.name = Path(spec).stem if spec.endswith(".json") else spec
+        self._traces: dict = {}
+
+    def trace(self, seq: Optional[int] = None, micro_batch: Optional[int] = None) -> Trace:
+        key = (seq or self.seq, micro_batch or self.micro_batch)
+        if key not in self._traces:
+            rec = trace_hf(self.spec, seq=key[0], micro_batch=key[1], dtype=self.dtype,
+                           attn=self.attn)
+            self._traces[key] = to_trace(rec, self.hw, self.optimizer, self.name)
+        return self._traces[key]
+
+    def describe(self) -> str:
+        m = self.trace().meta
+        layers = (f"{m['layers']} layers" + (f" (traced {m['traced_layers']}, the middle one "
+                  f"repeated)" if m["traced_layers"] != m["layers"] else ""))
+        amp = "bf16 autocast, fp32 weights" if self.dtype == "bf16" else "fp32"
+        return (f"{self.name} (traced on fake tensors): {m['params'] / 1e9:.2f}B params, {layers}; "
+                f"seq {self.seq} x micro-batch {self.micro_batch}, {amp}, attention "
+                f"{self.attn}, {self.optimizer}")
+
+
+def capacity(model: TracedModel, policies: list, advance=lambda: None) -> dict:
+    """``sweeps.capacity`` for a traced model: the longest sequence and the largest
+    micro-batch that fit, per policy (a traced model has no family of sizes to search)."""
+    from .policies import run
+    from .sweeps import MAX_MICRO_BATCH, MAX_SEQ, SEQ_STEP, _largest, default_budget, demand_bytes
+    hw = model.hw
+
+    def point(policy, **settings):
+        trace = model.trace(**settings)
+        step = trace.steps[0]
+        r = run(trace, policy, default_budget(step, hw), device_bytes=hw.usable_bytes,
+                host_bytes=hw.host_memory_bytes)
+        if not r.fits:
+            return None
+        return {"step_seconds": r.step_seconds, "tokens_per_second": r.tokens_per_second,
+                "peak_bytes": r.peak_bytes, "moved_bytes": r.moved_bytes,
+                "demand_ratio": demand_bytes(step, hw) / hw.device_memory_bytes}
+
+    out: dict = {}
+    for p in policies:
+        row: dict = {}
+        value, got = _largest(lambda s: point(p, seq=s), SEQ_STEP, SEQ_STEP, MAX_SEQ)
+        row["seq"] = None if value is None else {"seq": value, **got}
+        advance()
+        value, got = _largest(lambda b: point(p, micro_batch=b), 1, 1, MAX_MICRO_BATCH)
+        row["micro_batch"] = None if value is None else {"micro_batch": value, **got}
+        advance()
+        out[p] = row
+    return out

@@ -1,0 +1,227 @@
+"""Simulator steps from traced models: a Hugging Face config (or any module) run on fake tensors.
+
+``trace_hf`` builds ``AutoModelForCausalLM.from_config`` under ``FakeTensorMode`` (no weights, no
+device), runs one step at the user's settings (CPU autocast to bf16 with fp32 weights, or fp32;
+SDPA attention by default, as transformers picks) and records it with ``fake_trace``. Deep models
+are traced with ``TRACED_LAYERS`` layers and the middle layer repeated (``scale_layers``), only
+when two middle layers were recorded identical; otherwise every layer is traced. Recordings are
+cached on disk by a hash of what determines them, under ``$CHAMELEON_SWAP_CACHE``, else
+``$XDG_CACHE_HOME/chameleon-swap``, else ``~/.cache/chameleon-swap``.
+
+Fake CUDA tensors need a CUDA build of torch, so the step is traced with CPU kernels: autocast's
+CPU op lists (matmuls in bf16, reductions in fp32, as on CUDA for a Llama) and the CPU
+FlashAttention kernel, which saves what the CUDA one does (output and fp32 log-sum-exp).
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+
+TRACED_LAYERS = 4
+OPTIMIZERS = {"sgd": 0, "adamw": 2}     # moments kept per parameter, in the parameter's dtype
+CACHE_VERSION = 1
+
+
+@dataclass
+class SavedTensor:
+    nbytes: int               # the storage's bytes, once per storage
+    dtype: str
+    shape: tuple
+    module: str               # path of the innermost module running when it was saved
+    order: int                # save order among the step's distinct storages
+    saved_at: int             # forward segment during which it was saved
+    first_used_at: int = -1   # backward slot of its first unpack; -1: never unpacked
+    input_of: tuple = ()      # the modules that took this storage as their first input
+
+
+@dataclass
+class Recording:
+    """One step as the tracer saw it. ``segment_ops`` holds, per slot (forward segments then
+    backward ones), the ops' ``(flops, bytes, low_precision)``; ``segment_module`` the module path
+    each slot belongs to ("" outside every module)."""
+    segment_ops: list
+    segment_module: list
+    n_forward: int
+    tensors: list                 # of SavedTensor, in save order
+    skipped_bytes: Optional[int]  # parameters, buffers and views saved (None once scaled)
+    param_bytes: int
+    grad_bytes: int               # gradients of parameters the step left behind
+    peak_bytes: Optional[int]     # most bytes allocated during the step at once (None once
+                                  # scaled: the peak is not a sum of layers)
+    transient_bytes: int          # most bytes at once that were neither saved nor gradients
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def activation_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def to_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["tensors"] = [dict(t.__dict__, shape=list(t.shape), input_of=list(t.input_of))
+                        for t in self.tensors]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Recording":
+        d = dict(d)
+        d["tensors"] = [SavedTensor(**dict(t, shape=tuple(t["shape"]), input_of=tuple(t["input_of"])))
+                        for t in d["tensors"]]
+        d["segment_ops"] = [[tuple(op) for op in seg] for seg in d["segment_ops"]]
+        return cls(**d)
+
+
+
+def cache_dir() -> Path:
+    if os.environ.get("CHAMELEON_SWAP_CACHE"):
+        return Path(os.environ["CHAMELEON_SWAP_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "chameleon-swap"
+
+
+# ----------------------------------------------------------------------------- layer scaling
+def _block_of(module: str, prefix: str) -> Optional[int]:
+    m = re.match(re.escape(prefix) + r"\.(\d+)(\.|$)", module)
+    return int(m.group(1)) if m else None
+
+
+def _chunks(blocks: list, n: int) -> Optional[list]:
+    """[(start, end)] per block index 0..n-1 in ``blocks`` order, or None when the slots of a
+    block are not one contiguous run between slots outside every block."""
+    runs: list = []
+    for i, b in enumerate(blocks):
+        if b is None:
+            continue
+        if runs and runs[-1][0] == b and runs[-1][2] == i:
+            runs[-1][2] = i + 1
+        else:
+            runs.append([b, i, i + 1])
+    if len(runs) != n or sorted(r[0] for r in runs) != list(range(n)):
+        return None
+    spans = {b: (s, e) for b, s, e in runs}
+    first, last = runs[0][1], runs[-1][2]
+    if any(b is not None for b in blocks[:first] + blocks[last:]):
+        return None
+    return [spans[b] for b in range(n)]
+
+
+def _rename(module: str, prefix: str, old: int, new: int) -> str:
+    head = f"{prefix}.{old}"
+    return f"{prefix}.{new}" + module[len(head):] if _block_of(module, prefix) == old else module
+
+
+def scale_layers(rec: Recording, prefix: str, layers: int) -> Optional[Recording]:
+    """``rec`` (a step of ``n >= 4`` identical blocks under ``prefix``) as a step of ``layers``
+    blocks: the first and last traced blocks kept, the second repeated in between. None when the
+    recording does not have that structure (blocks interleaved, the two middle ones different,
+    or a middle block's tensor first used by another block)."""
+    n = rec.extra.get("layers")
+    nf, slots = rec.n_forward, len(rec.segment_ops)
+    fwd = _chunks([_block_of(m, prefix) for m in rec.segment_module[:nf]], n)
+    bwd = _chunks([_block_of(m, prefix) for m in rec.segment_module[nf:]], n)
+    if not n or n < 4 or layers < n or fwd is None or bwd is None:
+        return None
+    bwd = [(s + nf, e + nf) for s, e in bwd]
+
+    def where(slot: int):                 # (block, offset) of a slot, block None outside
+        for b, (s, e) in enumerate(fwd if slot < nf else bwd):
+            if s <= slot < e:
+                return b, slot - s
+        return None, slot
+
+    def signature(b: int):
+        f, k = fwd[b], bwd[b]
+        ops = [rec.segment_ops[i] for i in range(*f)] + [rec.segment_ops[i] for i in range(*k)]
+        mods = [_rename(rec.segment_module[i], prefix, b, 0) for i in list(range(*f)) +
+                list(range(*k))]
+        ts = []
+        for t in rec.tensors:
+            if f[0] <= t.saved_at < f[1]:
+                ub, off = where(t.first_used_at) if t.first_used_at < slots else ("never", 0)
+                if ub not in (b, None, "never"):
+                    return None               # used first by another block: cannot repeat it
+                ts.append((t.nbytes, t.dtype, t.shape, _rename(t.module, prefix, b, 0),
+                           tuple(_rename(m, prefix, b, 0) for m in t.input_of), t.saved_at - f[0],
+                           ub == b, off if ub is not None else t.first_used_at))
+        return ops, mods, ts
+
+    mid = signature(1)
+    if mid is None or any(signature(b) != mid for b in range(2, n - 1)):
+        return None
+    # Traced block -> the blocks it stands for in the scaled step.
+    order = [0] + [1] * (layers - 2) + [n - 1]
+    new_fwd, new_bwd, ops, mods = {}, {}, [], []
+
+    def emit(i: int, old: int, new: int) -> None:
+        ops.append(rec.segment_ops[i])
+        mods.append(_rename(rec.segment_module[i], prefix, old, new))
+
+    for i in range(fwd[0][0]):
+        emit(i, -1, -1)
+    for new, old in enumerate(order):
+        new_fwd[new] = len(ops)
+        for i in range(*fwd[old]):
+            emit(i, old, new)
+    for i in range(fwd[-1][1], nf + (bwd[-1][0] - nf)):
+        emit(i, -1, -1)
+    n_forward = len(ops) - (bwd[-1][0] - nf)
+    for new in reversed(range(layers)):
+        old = order[new]
+        new_bwd[new] = len(ops)
+        for i in range(*bwd[old]):
+            emit(i, old, new)
+    for i in range(bwd[0][1], slots):
+        emit(i, -1, -1)
+    total = len(ops)
+
+    def moved(slot: int, new_block: Optional[int]) -> int:
+        if slot >= slots:
+            return total
+        b, off = where(slot)
+        if b is None:                     # outside blocks: shifted by what the blocks grew
+            if slot < fwd[0][0]:
+                return slot
+            return slot + (n_forward - nf if slot < bwd[-1][0] else total - slots)
+        target = new_block if 0 < b < n - 1 else (0 if b == 0 else layers - 1)
+        return (new_fwd if slot < nf else new_bwd)[target] + off
+
+    # A tensor of the first or last block, or outside blocks, first used by a middle block:
+    # which of the repeated blocks would use it is unknown.
+    for t in rec.tensors:
+        sb = where(t.saved_at)[0]
+        ub = where(t.first_used_at)[0] if t.first_used_at < slots else None
+        if ub is not None and 0 < ub < n - 1 and sb != ub:
+            return None
+
+    tensors = []
+    outside_before = [t for t in rec.tensors if t.saved_at < fwd[0][0]]
+    outside_after = [t for t in rec.tensors if t.saved_at >= fwd[-1][1]]
+    for t in outside_before:
+        tensors.append(_moved_tensor(t, moved(t.saved_at, None), moved(t.first_used_at, None),
+                                     prefix, None, None))
+    for new, old in enumerate(order):
+        for t in rec.tensors:
+            if fwd[old][0] <= t.saved_at < fwd[old][1]:
+                tensors.append(_moved_tensor(t, moved(t.saved_at, new),
+                                             moved(t.first_used_at, new), prefix, old, new))
+    for t in outside_after:
+        tensors.append(_moved_tensor(t, moved(t.saved_at, None), moved(t.first_used_at, None),
+                                     prefix, None, None))
+    for j, t in enumerate(tensors):
+        t.order = j
+    per_block = rec.extra["block_param_bytes"]
+    param_bytes = rec.param_bytes + (layers - n) * per_block
+    extra = dict(rec.extra, layers=layers, traced_layers=n)
+    return Recording(segment_ops=ops, segment_module=mods, n_forward=n_forward, tensors=tensors,
+                     skipped_bytes=None, param_bytes=param_bytes,
+                     grad_bytes=rec.grad_bytes + (layers - n) * per_block,
+                     peak_bytes=None, transient_bytes=rec.transient_bytes, extra=extra)
+
+
+def _moved_tensor(t: SavedTensor, saved_at: int, used: int, prefix: str, old, new) -> SavedTensor:
+    rename = (lambda m: m) if old is None else (lambda m: _rename(m, prefix, old, new))
+    return SavedTensor(t.nbytes, t.dtype, t.shape, rename(t.module), t.order, saved_at, used,
+                       tuple(rename(m) for m in t.input_of))
