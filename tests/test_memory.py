@@ -10,12 +10,24 @@ that with every activation kept, and fits easily with full recomputation.
 A step is driven the way the engine drives it: ``begin_step`` with what is allocated,
 ``on_progress`` before each module (embedding, 16 layers, the head) with the bytes saved so far,
 then the transient peak (after forward, with the budget then in force), then ``end_step``.
+
+On a CUDA device (skipped elsewhere) the same length schedule trains a real Llama with a 32k
+vocabulary under a hard cap (``torch.cuda.set_per_process_memory_fraction``) equal to
+``device_memory_limit``: no step may run out of memory, and every loss and gradient is bitwise the
+run without the engine. Sized for about 30 s on an H100.
 """
 from __future__ import annotations
 
-import pytest
+import gc
 
+import pytest
+import torch
+
+import chameleon_swap as cs
 from chameleon_swap.policy.memory import DeviceMemoryBudget
+from chameleon_swap.workloads import Llama, LlamaConfig
+
+from _helpers import assert_bitwise, grads
 
 GiB = 2**30
 VOCAB = 32000
@@ -159,8 +171,9 @@ def test_fragmentation_is_kept_free():
     assert plain.begin_step(STATE) - fragmented.begin_step(STATE) == 300 * 2**20
 
 
-def test_first_step_keeps_half_of_what_is_free_and_the_user_budget_caps():
-    assert DeviceMemoryBudget(10 * GiB).begin_step(2 * GiB) == 4 * GiB
+def test_first_step_keeps_a_share_of_what_is_free_and_the_user_budget_caps():
+    assert DeviceMemoryBudget(10 * GiB).begin_step(2 * GiB) == 2 * GiB
+    assert DeviceMemoryBudget(10 * GiB, first_share=0.5).begin_step(2 * GiB) == 4 * GiB
     assert DeviceMemoryBudget(10 * GiB).begin_step(2 * GiB, user_budget=GiB) == GiB
     assert DeviceMemoryBudget(10 * GiB).begin_step(12 * GiB) == 0    # over the limit already
     assert DeviceMemoryBudget(10 * GiB).predict_transient(GiB) is None
@@ -194,7 +207,108 @@ def test_prediction_interpolates_and_extrapolates_upwards():
 @pytest.mark.parametrize("kwargs,name", [(dict(limit_bytes=-1), "limit_bytes"),
                                          (dict(limit_bytes=1.5), "limit_bytes"),
                                          (dict(limit_bytes=1, margin=-0.1), "margin"),
-                                         (dict(limit_bytes=1, miss_growth=1.0), "miss_growth")])
+                                         (dict(limit_bytes=1, miss_growth=1.0), "miss_growth"),
+                                         (dict(limit_bytes=1, first_share=1.5), "first_share")])
 def test_bad_arguments_name_themselves(kwargs, name):
     with pytest.raises(ValueError, match=name):
         DeviceMemoryBudget(**kwargs)
+
+
+# --------------------------------------------------------------------------- on a CUDA device
+# fp32 Llama, 112M parameters; math attention (deterministic backward, so bitwise holds).
+# At 16k tokens a step saves about 8 GiB and needs about 6 GiB besides (logits and gradients).
+GPU_MODEL = dict(vocab_size=VOCAB, dim=1024, n_layers=4, n_heads=8, n_kv_heads=4, max_seq_len=512)
+GPU_SEQ = 512                              # tokens per sequence; the batch carries the length
+
+
+def _gpu_batches():
+    out = []
+    for i, tokens in enumerate(SCHEDULE):
+        g = torch.Generator().manual_seed(i)
+        t = torch.randint(VOCAB, (tokens // GPU_SEQ, GPU_SEQ + 1), generator=g)
+        out.append((t[:, :-1].cuda(), t[:, 1:].cuda()))
+    return out
+
+
+def _math_attention():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.MATH])
+
+
+def _allocated() -> int:
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+@pytest.fixture(scope="module")
+def gpu_reference():
+    """The model, the batches, each step's loss and gradients (on the host) without the engine,
+    each step's natural footprint, and the largest step's footprint and saved bytes at budget 0
+    (the least the engine can make it need). No optimizer: every step sees the same weights."""
+    from chameleon_swap.copy.bandwidth import cached_bandwidth
+    cached_bandwidth("cuda")             # the planner's one-off measurement, before any cap
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**GPU_MODEL)).cuda()
+    batches = _gpu_batches()
+    expected, natural = [], []
+    with _math_attention():
+        for b in batches:
+            model.zero_grad(set_to_none=True)
+            start = _allocated()
+            torch.cuda.reset_peak_memory_stats()
+            loss = model(*b)
+            loss.backward()
+            natural.append(torch.cuda.max_memory_allocated() - start)
+            expected.append((loss.detach().cpu(), {n: None if g is None else g.cpu()
+                                                   for n, g in grads(model).items()}))
+            del loss
+        model.zero_grad(set_to_none=True)
+        with cs.Chameleon(0, device="cuda") as eng:
+            start = _allocated()
+            torch.cuda.reset_peak_memory_stats()
+            with eng.step():
+                model(*batches[0]).backward()
+            floor = torch.cuda.max_memory_allocated() - start
+            activations = eng.last_step.saved_bytes
+        model.zero_grad(set_to_none=True)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return model, batches, expected, natural, floor, activations
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("policy", ["chameleon", "guard"])
+def test_rising_and_falling_lengths_under_a_hard_cap(gpu_reference, policy):
+    model, batches, expected, natural, floor, activations = gpu_reference
+    assert SCHEDULE[0] == max(SCHEDULE)              # the floor was measured on the largest step
+    start = _allocated()
+    # What full recomputation roughly needs (the engine at budget 0) plus half the largest step's
+    # activations: the step with everything kept does not fit, recomputation does.
+    limit = start + floor + activations // 2
+    assert start + max(natural) > limit, ("the cap would not bind", natural, floor, activations)
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    torch.cuda.set_per_process_memory_fraction(limit / total)
+    try:
+        with _math_attention(), cs.Chameleon(device="cuda", device_memory_limit=limit,
+                                             policy=policy) as eng:
+            for i, b in enumerate(batches):
+                model.zero_grad(set_to_none=True)
+                with eng.step():                 # an out-of-memory error fails the test here
+                    loss = model(*b)
+                    loss.backward()
+                s = eng.last_step
+                exp_loss, exp_grads = expected[i]
+                assert_bitwise(exp_loss, exp_grads, loss.detach().cpu(),
+                               {n: None if g is None else g.cpu() for n, g in grads(model).items()})
+                assert s.peak_device_bytes <= limit, (i, s)
+                assert s.peak_resident_bytes <= s.budget_bytes, (i, s)
+                assert s.min_budget_bytes <= s.budget_bytes, (i, s)
+                assert s.transient_bytes is not None and s.transient_bytes >= 0, (i, s)
+                assert (s.predicted_transient_bytes is None) == (i == 0), (i, s)
+                del loss
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -106,7 +106,8 @@ class Chameleon:
             the step's other memory (logits, gradients, workspaces), predicted from earlier steps
             of other sizes, are set aside; lowered during forward when the step turns out larger
             than the previous one (``StepStats.min_budget_bytes``, ``transient_bytes``,
-            ``memory_tightened``). The first step keeps half of what is free for the rest.
+            ``memory_tightened``). The first step, with nothing learnt, keeps activations in a quarter
+            of what is free.
         policy: "chameleon" (the default: profiles every step, plans per operator sequence,
             adapts when it changes; the guard underneath), "guard" (no profile needed; holds the
             budget on any step) or "static" (one plan made after warm-up and frozen: the

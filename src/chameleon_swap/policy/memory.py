@@ -64,16 +64,22 @@ class DeviceMemoryBudget:
             judged by its distant past forever.
         miss_growth: what the safety factor is multiplied by after each miss (at most
             ``max_safety``).
+        first_share: the share of the free memory the first step may keep activations in, with
+            nothing learnt yet (the rest is left for its logits, gradients and workspaces).
     """
 
     def __init__(self, limit_bytes: int, *, margin: float = 0.10, min_margin_bytes: int = 64 * MIB,
-                 window: int = 32, miss_growth: float = 1.25, max_safety: float = 4.0) -> None:
+                 window: int = 32, miss_growth: float = 1.25, max_safety: float = 4.0,
+                 first_share: float = 0.25) -> None:
         if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or limit_bytes < 0:
             raise ValueError(f"limit_bytes must be an int >= 0; got {limit_bytes!r}")
         if not margin >= 0:
             raise ValueError(f"margin must be a number >= 0; got {margin!r}")
         if not miss_growth > 1:
             raise ValueError(f"miss_growth must be a number > 1; got {miss_growth!r}")
+        if not 0 <= first_share <= 1:
+            raise ValueError(f"first_share must be a number in [0, 1]; got {first_share!r}")
+        self.first_share = first_share
         self.limit_bytes = limit_bytes
         self.min_margin_bytes = min_margin_bytes
         self.miss_growth = miss_growth
@@ -124,7 +130,10 @@ class DeviceMemoryBudget:
         """Bytes kept free besides the activation budget for a step of ``size``."""
         transient = self.predict_transient(size)
         if transient is None:
-            return self._headroom // 2        # nothing learnt yet: half of what is free
+            # Nothing learnt yet. A step's transient can be several times its activations' share
+            # of the free memory (a large vocabulary's logits and their gradients), so the
+            # blind first step keeps activations in a quarter of it by default.
+            return self._headroom - int(self._headroom * self.first_share)
         gap = max(self._gaps, default=0)
         return transient + gap + self.min_margin_bytes
 
