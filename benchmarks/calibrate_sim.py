@@ -52,9 +52,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workloads", default=None,
                    help=f"comma-separated (default: {DEFAULTS['workloads']}; on CUDA: "
                         f"{CUDA_DEFAULTS['workloads']})")
-    p.add_argument("--size", default=None, help="workload size (default: small on CPU, gpu on CUDA)")
+    p.add_argument("--size", default=None,
+                   help="workload size (default: small on CPU, gpu on CUDA)")
     p.add_argument("--steps", type=int, default=None,
-                   help=f"batches (default: {DEFAULTS['steps']}; on CUDA: {CUDA_DEFAULTS['steps']})")
+                   help=f"batches (default: {DEFAULTS['steps']}; on CUDA: "
+                        f"{CUDA_DEFAULTS['steps']})")
     p.add_argument("--repeats", type=int, default=None,
                    help=f"measured passes (default: {DEFAULTS['repeats']}; on CUDA: "
                         f"{CUDA_DEFAULTS['repeats']})")

@@ -86,6 +86,10 @@ class StepStats:
                  f"step {self.step_seconds * 1e3:.1f} ms"]
         if self.peak_device_bytes is not None:
             parts.append(f"device peak {format_bytes(self.peak_device_bytes)}")
+        if self.min_budget_bytes is not None and self.min_budget_bytes != self.budget_bytes:
+            parts.append(f"budget lowered to {format_bytes(self.min_budget_bytes)}")
+        if self.memory_tightened:
+            parts.append("memory tightened")
         parts.append(self.plan_source + (" (changed)" if self.sequence_changed else ""))
         return " | ".join(parts)
 
@@ -106,8 +110,8 @@ class Chameleon:
             the step's other memory (logits, gradients, workspaces), predicted from earlier steps
             of other sizes, are set aside; lowered during forward when the step turns out larger
             than the previous one (``StepStats.min_budget_bytes``, ``transient_bytes``,
-            ``memory_tightened``). The first step, with nothing learnt, keeps activations in a quarter
-            of what is free.
+            ``memory_tightened``). The first step, with nothing learnt, keeps activations in a
+            quarter of what is free.
         policy: "chameleon" (the default: profiles every step, plans per operator sequence,
             adapts when it changes; the guard underneath), "guard" (no profile needed; holds the
             budget on any step) or "static" (one plan made after warm-up and frozen: the
