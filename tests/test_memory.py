@@ -214,6 +214,60 @@ def test_bad_arguments_name_themselves(kwargs, name):
         DeviceMemoryBudget(**kwargs)
 
 
+# --------------------------------------------------------------------------- the engine's wiring
+def test_engine_lowers_its_budget_in_forward_and_reports_it(monkeypatch, one_intra_op_thread):
+    """The engine's side on the CPU: device_memory_limit is CUDA-only, so the CUDA allocator's
+    figures are stood in for (nothing allocated at start; the step's peak is its resident
+    activations plus a transient proportional to its tokens) and the engine is told its device
+    is CUDA where it asks. Losses and gradients stay bitwise; a longer step after a shorter one
+    is caught in forward."""
+    import copy
+    import types
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                              max_seq_len=64))
+    ref = copy.deepcopy(model)
+    tokens = {"n": 0}
+    eng = cs.Chameleon(None, device="cpu", min_tensor_bytes=0, policy="guard")
+    eng._memory = DeviceMemoryBudget(3_000_000, min_margin_bytes=0)
+    fake = types.SimpleNamespace(
+        memory_allocated=lambda d=None: 0, reset_peak_memory_stats=lambda d=None: None,
+        max_memory_allocated=lambda d=None: (eng._ex.stats.peak_resident_bytes
+                                             + 20_000 * tokens["n"]),
+        memory_stats=lambda d=None: {"inactive_split_bytes.all.peak": 0},
+        current_stream=lambda d=None: types.SimpleNamespace(synchronize=lambda: None))
+    for name, fn in vars(fake).items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    monkeypatch.setattr(eng, "device", types.SimpleNamespace(type="cuda"))
+    history = []
+    for T in (32, 16, 32, 8):
+        tokens["n"] = 4 * T
+        t = torch.randint(512, (4, T + 1), generator=torch.Generator().manual_seed(T))
+        batch = (t[:, :-1], t[:, 1:])
+        for m in (ref, model):
+            m.zero_grad(set_to_none=True)
+        loss_ref = ref(*batch)
+        loss_ref.backward()
+        with eng.step():
+            loss = model(*batch)
+            loss.backward()
+        assert_bitwise(loss_ref, grads(ref), loss, grads(model))
+        history.append(eng.last_step)
+    monkeypatch.setattr(eng, "device", torch.device("cpu"))
+    eng.close()
+    for s, T in zip(history, (32, 16, 32, 8)):
+        assert s.peak_resident_bytes <= s.budget_bytes and s.min_budget_bytes <= s.budget_bytes
+        assert s.peak_device_bytes == s.peak_resident_bytes + 20_000 * 4 * T
+        assert s.transient_bytes == 20_000 * 4 * T
+    assert history[0].predicted_transient_bytes is None
+    longer = history[2]                   # 32 after 16: larger than assumed when it began
+    assert longer.min_budget_bytes < longer.budget_bytes, longer
+    assert history[1].min_budget_bytes == history[1].budget_bytes   # shorter: nothing to lower
+    assert not any(s.memory_tightened for s in history[1:]), history
+    assert "budget lowered to" in str(longer)
+
+
 # --------------------------------------------------------------------------- on a CUDA device
 # fp32 Llama, 112M parameters; math attention (deterministic backward, so bitwise holds).
 # At 16k tokens a step saves about 8 GiB and needs about 6 GiB besides (logits and gradients).
