@@ -160,6 +160,12 @@ def test_out_of_memory_is_a_miss_and_a_plain_failure_teaches_nothing():
                      allocated_at_start=STATE, peak_resident=GiB, failed=True, out_of_memory=True)
     assert r.tightened and mem.safety > safety
     assert mem.begin_step(STATE) < start
+    # Out of memory before anything was learnt: the next blind step keeps less too.
+    blind = DeviceMemoryBudget(CAP)
+    first = blind.begin_step(STATE)
+    blind.end_step(saved_bytes=GiB, peak_allocated=STATE + 2 * GiB, allocated_at_start=STATE,
+                   peak_resident=GiB, failed=True, out_of_memory=True)
+    assert blind.predict_transient(GiB) is None and blind.begin_step(STATE) < first
 
 
 def test_fragmentation_is_kept_free():
@@ -208,7 +214,9 @@ def test_prediction_interpolates_and_extrapolates_upwards():
                                          (dict(limit_bytes=1.5), "limit_bytes"),
                                          (dict(limit_bytes=1, margin=-0.1), "margin"),
                                          (dict(limit_bytes=1, miss_growth=1.0), "miss_growth"),
-                                         (dict(limit_bytes=1, first_share=1.5), "first_share")])
+                                         (dict(limit_bytes=1, first_share=1.5), "first_share"),
+                                         (dict(limit_bytes=1, window=0), "window"),
+                                         (dict(limit_bytes=1, max_safety=0.5), "max_safety")])
 def test_bad_arguments_name_themselves(kwargs, name):
     with pytest.raises(ValueError, match=name):
         DeviceMemoryBudget(**kwargs)

@@ -79,12 +79,16 @@ class DeviceMemoryBudget:
             raise ValueError(f"miss_growth must be a number > 1; got {miss_growth!r}")
         if not 0 <= first_share <= 1:
             raise ValueError(f"first_share must be a number in [0, 1]; got {first_share!r}")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be an int >= 1; got {window!r}")
+        if not max_safety >= 1 + margin:
+            raise ValueError(f"max_safety must be a number >= 1 + margin; got {max_safety!r}")
         self.first_share = first_share
         self.limit_bytes = limit_bytes
         self.min_margin_bytes = min_margin_bytes
         self.miss_growth = miss_growth
         self.max_safety = max_safety
-        self.safety = 1.0 + margin
+        self.safety = self._base_safety = 1.0 + margin
         self._obs: deque[tuple[int, int]] = deque(maxlen=window)     # (size, transient)
         self._gaps: deque[int] = deque(maxlen=window)
         self._last_size: Optional[int] = None
@@ -92,7 +96,6 @@ class DeviceMemoryBudget:
         # This step.
         self._headroom = 0
         self._user_budget: Optional[int] = None
-        self._assumed = 0
         self._size = 0
         self._budget = 0
         self._min_budget = 0
@@ -132,8 +135,10 @@ class DeviceMemoryBudget:
         if transient is None:
             # Nothing learnt yet. A step's transient can be several times its activations' share
             # of the free memory (a large vocabulary's logits and their gradients), so the
-            # blind first step keeps activations in a quarter of it by default.
-            return self._headroom - int(self._headroom * self.first_share)
+            # blind first step keeps activations in a quarter of it by default (less after a
+            # step that ran out of memory before anything was learnt).
+            share = self.first_share * self._base_safety / self.safety
+            return self._headroom - int(self._headroom * share)
         gap = max(self._gaps, default=0)
         return transient + gap + self.min_margin_bytes
 
@@ -147,7 +152,7 @@ class DeviceMemoryBudget:
         never above ``user_budget`` (the engine's ``budget``) when there is one."""
         self._headroom = max(0, self.limit_bytes - allocated_bytes)
         self._user_budget = user_budget
-        self._assumed = self._size = self._last_size or 0
+        self._size = self._last_size or 0
         self._prefix = []
         self._budget = self._min_budget = self._budget_for(self._size)
         return self._budget
@@ -180,24 +185,25 @@ class DeviceMemoryBudget:
         ``peak_resident`` the most saved-activation bytes the engine held, and
         ``fragmentation_bytes`` the most free bytes stuck inside partly used allocator segments.
         A ``failed`` step teaches nothing (it may have stopped before backward) unless it ran
-        ``out_of_memory``: then its measurements are lower bounds, and a miss."""
+        ``out_of_memory``: a miss, whose transient (cut short by the failure) is not kept as an
+        observation, but whose size so far is assumed for the next step."""
         transient = max(0, peak_allocated - allocated_at_start - peak_resident)
         size = max(saved_bytes, self._size if out_of_memory else 0)
         predicted = self.predict_transient(size)
-        learn = out_of_memory or not failed
         # A miss: more transient than predicted for the step's size, or more than the budget in
         # force left room for (the size was underestimated and nothing lowered the budget).
         over = transient > (predicted if predicted is not None else transient) \
             or self._budget + transient > self._headroom
-        tightened = out_of_memory or (learn and over)
+        tightened = out_of_memory or (not failed and over)
         if tightened:
             self.safety = min(self.max_safety, self.safety * self.miss_growth)
-        if learn:
-            self._obs.append((size, transient))
+        if out_of_memory or not failed:
             self._gaps.append(max(0, fragmentation_bytes))
             if size > 0:
                 self._last_size = size
-            if saved_bytes > 0 and not failed:
+        if not failed:
+            self._obs.append((size, transient))
+            if saved_bytes > 0:
                 self._ref = (self._prefix, saved_bytes)
         self._prefix = []
         return MemoryReport(min_budget_bytes=self._min_budget, predicted_transient_bytes=predicted,
