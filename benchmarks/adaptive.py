@@ -15,6 +15,12 @@ batch, interleaved in rotating order, each policy with its own engine at the sam
 step time and its ratio to ``none`` and to ``guard``, stalls, synchronous fetches, plan sources,
 detailed (timed) steps, and the profiler's own time as a share of the step. Every loss is checked
 bit for bit against ``none`` and every step against its budget.
+
+Time with ``--device cuda`` (dim 1024, 8 layers, batch 8 x 1024, 24 steps of 4 scenarios, each
+step run by none and the three policies: 384 steps): on one H100 the plain step took about 133 ms
+and the engines 1.3-2.3x that at 30%, so about 0.9 s per scenario step, 90 s in all, plus each
+engine's first step of each new shape (about a dozen, a second or two each at this size): 2 to 3
+minutes, estimated; well inside a ten-minute GPU loan.
 """
 from __future__ import annotations
 

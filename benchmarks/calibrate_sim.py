@@ -13,6 +13,17 @@ On the CPU the copy engine's worker threads share the cores with compute; a GPU'
 not share its SMs, and the timeline models copies as free to overlap. So the CPU calibration runs
 compute on ``cores - 1`` threads first (one core left to the copies), then on all cores, and
 reports both. Writes ``results/calibrate_sim-<device>.{json,md,png}``.
+
+With ``--device cuda`` the defaults are cut to fit a GPU lent for ten minutes: llama-varlen at
+size ``gpu`` only, 6 batches, 2 measured passes, one budget (half the natural peak): 3 passes x 6
+batches x 5 engines (reference, none, three policies) = 90 steps. Estimated on one H100 from steps
+measured there (about 0.4 s plain, 1.2-1.35x for the engine at half the peak; an engine's first
+step of each of the four lengths pins its host buffers, 8-15 s measured at a quarter of the peak,
+so about half that here): about 45 s of steady steps, up to 100 s of first steps, 20 s to build
+and probe: 2 to 3 minutes, not measured. Each policy's engine keeps its own pinned buffers (about
+15 GB each at that size), which is also why one budget, not two. The CPU defaults (five
+workloads, 8 batches, 3 passes, budgets 50% and 25%) at size ``gpu`` would take well over half an
+hour; name them explicitly for that.
 """
 from __future__ import annotations
 
@@ -28,17 +39,30 @@ import _common as C  # noqa: E402
 from chameleon_swap.sim.calibrate import FRACTIONS, POLICIES, calibrate  # noqa: E402
 
 WORKLOADS = ("llama-varlen", "moe", "layerdrop", "mixed", "video-dit")
+DEFAULTS = dict(workloads=",".join(WORKLOADS), steps=8, repeats=3,
+                fractions=",".join(map(str, FRACTIONS)))
+# On CUDA (size gpu): what fits a ten-minute loan of one H100 (the module docstring's estimate).
+CUDA_DEFAULTS = dict(workloads="llama-varlen", steps=6, repeats=2, fractions="0.5")
 STEP_TARGET, PEAK_TARGET = 0.10, 0.05
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--workloads", default=",".join(WORKLOADS))
-    p.add_argument("--size", default=None, help="workload size (default: small on CPU, gpu on CUDA)")
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--fractions", default=",".join(map(str, FRACTIONS)))
+    p.add_argument("--workloads", default=None,
+                   help=f"comma-separated (default: {DEFAULTS['workloads']}; on CUDA: "
+                        f"{CUDA_DEFAULTS['workloads']})")
+    p.add_argument("--size", default=None,
+                   help="workload size (default: small on CPU, gpu on CUDA)")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"batches (default: {DEFAULTS['steps']}; on CUDA: "
+                        f"{CUDA_DEFAULTS['steps']})")
+    p.add_argument("--repeats", type=int, default=None,
+                   help=f"measured passes (default: {DEFAULTS['repeats']}; on CUDA: "
+                        f"{CUDA_DEFAULTS['repeats']})")
+    p.add_argument("--fractions", default=None,
+                   help=f"budgets as fractions of the natural peak (default: "
+                        f"{DEFAULTS['fractions']}; on CUDA: {CUDA_DEFAULTS['fractions']})")
     p.add_argument("--threads", default=None,
                    help="comma-separated compute thread counts to run with (default on the CPU: "
                         "cores - 1, then all cores; on CUDA: torch's default)")
@@ -47,6 +71,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda was given but torch.cuda.is_available() is False")
+    defaults = CUDA_DEFAULTS if a.device.startswith("cuda") else DEFAULTS
+    for k, v in defaults.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
     a.workloads = [w.strip() for w in a.workloads.split(",") if w.strip()]
     try:
         a.fractions = [float(f) for f in a.fractions.split(",") if f.strip()]

@@ -14,6 +14,11 @@ affect each mode alike):
 Writes ``benchmarks/results/offload_overhead-<device>.json`` (environment, config, medians,
 ratios), a markdown table next to it, and a PNG when matplotlib is installed. Each repetition also
 checks that every mode computed the same loss bit for bit.
+
+Time with ``--device cuda`` (dim 1024, 8 layers, batch 8 x 1024, 2 + 15 repetitions of 5 modes):
+on one H100 a plain step took 133 ms, the engine 1.03-1.40x that and ``save_on_cpu`` 3.49x, so
+the 85 steps take about 20 s, plus each mode's first step (pinning its host buffers, a few GB
+here) and the model builds: about a minute, estimated; well inside a ten-minute GPU loan.
 """
 from __future__ import annotations
 

@@ -9,6 +9,9 @@ to move and every copy-back slot of each, all judged by the same timeline model
 (``timeline.simulate``) the planner uses. The gap is (planner total - optimum total) / optimum
 total. Then ``plan()`` is timed on random 300-tensor profiles. Writes planner_gap-cpu.json and .md
 (and a histogram PNG when matplotlib is importable) to benchmarks/results/.
+
+It runs on the host only (no torch, no device option) whatever the machine: a GPU loan is not
+needed for it.
 """
 from __future__ import annotations
 

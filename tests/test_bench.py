@@ -289,6 +289,31 @@ def test_bench_command_writes_results(tmp_path, capsys):
     assert "| 40% (" in capsys.readouterr().out
 
 
+def _bench_config(*argv):
+    parser, _ = cli.build_parser()
+    return commands.bench_config(parser.parse_args(["bench", "--size", "tiny", "--device", "cpu",
+                                                    *argv]))
+
+
+def test_bench_quick_plans_a_fraction_of_the_full_sweep():
+    from chameleon_swap.bench.harness import steps_per_workload
+    full, quick = _bench_config(), _bench_config("--quick")
+    assert list(full.workloads) == list(commands.WORKLOAD_NAMES)
+    assert list(quick.workloads) == ["llama-varlen"]
+    assert list(quick.baselines) == ["none", "full-recompute", "chameleon"]
+    assert [b.label for b in quick.parsed_budgets] == ["30%"]
+    assert (quick.steps, quick.warmup) == (4, 1)
+
+    def planned(cfg):                   # step runs of the whole sweep
+        return steps_per_workload(cfg) * len(cfg.resolved)
+    assert planned(quick) * 20 <= planned(full), (planned(quick), planned(full))
+    # What the command line says still applies under --quick.
+    mine = _bench_config("--quick", "--workload", "moe", "--steps", "2", "--budget", "50%")
+    assert list(mine.workloads) == ["moe"] and mine.steps == 2 and mine.warmup == 1
+    assert [b.label for b in mine.parsed_budgets] == ["50%"]
+    assert list(mine.baselines) == list(quick.baselines)
+
+
 @pytest.mark.parametrize("argv,match", [
     (["--workload", "bert"], "unknown workload 'bert'; valid: llama-varlen"),
     (["--baseline", "magic"], "unknown baseline 'magic'; choose from none"),

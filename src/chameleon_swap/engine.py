@@ -24,6 +24,7 @@ from .copy.bandwidth import cached_bandwidth, resolve_device
 from .copy.host_pool import HostPool
 from .executor import Executor
 from .policy import make_policy
+from .policy.memory import DeviceMemoryBudget
 from .profiler import Profiler
 from .sequence import similarity
 
@@ -51,6 +52,14 @@ class StepStats:
     host_peak_bytes: int               # host buffer bytes in use at most (arena, all steps)
     skipped_bytes: int                 # parameters/buffers saved: never moved, not counted
     peak_device_bytes: Optional[int] = None   # CUDA max_memory_allocated, with device_memory_limit
+    # With device_memory_limit (None otherwise): the budget is what the limit leaves once the
+    # step's non-activation memory (logits, gradients, workspaces: the transient) is predicted.
+    min_budget_bytes: Optional[int] = None    # lowest budget in force: below budget_bytes when
+                                              # the step turned out larger than assumed at start
+    predicted_transient_bytes: Optional[int] = None   # predicted for this step's size
+    transient_bytes: Optional[int] = None     # measured: device peak - start - peak resident
+    memory_tightened: bool = False     # the prediction was too small (or the step ran out of
+                                       # memory): later steps leave more room
     failed: bool = False               # the step ended with an exception
     # Adaptivity (profiler and plans).
     sequence_changed: bool = False     # differs from the previous step beyond the thresholds
@@ -87,6 +96,10 @@ class StepStats:
             k, sel, full = self.block_modes
             parts.append(f"blocks keep {k}/sel {sel}/full {full}, "
                          f"recompute {self.recompute_seconds * 1e3:.1f} ms")
+        if self.min_budget_bytes is not None and self.min_budget_bytes != self.budget_bytes:
+            parts.append(f"budget lowered to {format_bytes(self.min_budget_bytes)}")
+        if self.memory_tightened:
+            parts.append("memory tightened")
         parts.append(self.plan_source + (" (changed)" if self.sequence_changed else ""))
         return " | ".join(parts)
 
@@ -103,7 +116,12 @@ class Chameleon:
         min_tensor_bytes: storages smaller than this stay resident (and counted) unless the
             budget cannot be held otherwise.
         device_memory_limit: CUDA only: a cap on all memory allocated on the device; each step's
-            activation budget is derived from what is allocated when it begins.
+            activation budget is what the limit leaves once what is allocated when it begins and
+            the step's other memory (logits, gradients, workspaces), predicted from earlier steps
+            of other sizes, are set aside; lowered during forward when the step turns out larger
+            than the previous one (``StepStats.min_budget_bytes``, ``transient_bytes``,
+            ``memory_tightened``). The first step, with nothing learnt, keeps activations in a
+            quarter of what is free.
         policy: "chameleon" (the default: profiles every step, plans per operator sequence,
             adapts when it changes; the guard underneath), "guard" (no profile needed; holds the
             budget on any step) or "static" (one plan made after warm-up and frozen: the
@@ -200,7 +218,8 @@ class Chameleon:
         self._in_step = False
         self._closed = False
         self._module_starts: list[int] = []
-        self._transient_bytes: Optional[int] = None   # learnt non-activation peak of a step
+        limit = self.config.device_memory_limit_bytes
+        self._memory = DeviceMemoryBudget(limit) if limit is not None else None
         self._warned_foreign = False
 
     # ------------------------------------------------------------------ public state
@@ -308,44 +327,52 @@ class Chameleon:
         self._module_starts = []
         self._host_allocated_at_start = self._pool.allocated_bytes
         t0 = time.perf_counter()
-        failed = False
+        failed = oom = False
         try:
             with torch.autograd.graph.saved_tensors_hooks(_eager(self._ex.pack),
                                                           _eager(self._ex.unpack)):
                 yield self
-        except BaseException:
-            failed = True
+        except BaseException as e:
+            failed, oom = True, isinstance(e, _OOM)
             raise
         finally:
-            self._finish_step(t0, budget, failed)
+            self._finish_step(t0, budget, failed, oom)
 
     def _step_budget(self) -> Optional[int]:
         budget = self.config.budget_bytes
-        limit = self.config.device_memory_limit_bytes
-        if limit is not None:
-            allocated = torch.cuda.memory_allocated(self.device)
-            headroom = max(0, limit - allocated)
-            # Non-activation memory of a step (gradients, workspaces, the tensors in flight between
-            # ops) is learnt from the previous step; the first step reserves half the headroom.
-            transient = headroom // 2 if self._transient_bytes is None else self._transient_bytes
-            derived = max(0, headroom - transient)
-            budget = derived if budget is None else min(budget, derived)
-            self._allocated_at_start = allocated
+        if self._memory is not None:
+            # The budget is what the limit leaves besides the step's predicted non-activation
+            # memory (policy/memory.py); it is lowered in forward if the step turns out larger.
+            self._allocated_at_start = torch.cuda.memory_allocated(self.device)
+            budget = self._memory.begin_step(self._allocated_at_start, budget)
             torch.cuda.reset_peak_memory_stats(self.device)
         return budget
 
-    def _finish_step(self, t0: float, budget: Optional[int], failed: bool) -> None:
+    def _end_memory_step(self, counters, failed: bool, oom: bool) -> dict:
+        """The device's side of the step for the budget derivation, as StepStats fields."""
+        stats = torch.cuda.memory_stats(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        r = self._memory.end_step(
+            saved_bytes=counters.saved_bytes, peak_allocated=peak,
+            allocated_at_start=self._allocated_at_start,
+            peak_resident=counters.peak_resident_bytes,
+            # Free bytes inside segments that also hold live blocks: unlike whole free segments,
+            # the allocator cannot give them back when it runs short.
+            fragmentation_bytes=stats.get("inactive_split_bytes.all.peak", 0),
+            failed=failed, out_of_memory=oom)
+        return dict(peak_device_bytes=peak, min_budget_bytes=r.min_budget_bytes,
+                    predicted_transient_bytes=r.predicted_transient_bytes,
+                    transient_bytes=r.transient_bytes, memory_tightened=r.tightened)
+
+    def _finish_step(self, t0: float, budget: Optional[int], failed: bool,
+                     oom: bool = False) -> None:
         try:
             counters = self._ex.end_step(failed)
-            peak_device = None
+            memory = {}
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
-                if self.config.device_memory_limit_bytes is not None:
-                    peak_device = torch.cuda.max_memory_allocated(self.device)
-                    transient = peak_device - self._allocated_at_start - counters.peak_resident_bytes
-                    # 10% and 1 MiB of slack: allocator rounding and step-to-step jitter.
-                    learnt = int(max(0, transient) * 1.1) + 2**20
-                    self._transient_bytes = max(self._transient_bytes or 0, learnt)
+                if self._memory is not None:
+                    memory = self._end_memory_step(counters, failed, oom)
             calls = self._runner.end_step(failed) if self._runner is not None else []
             step_seconds = time.perf_counter() - t0
             profile = self._profiler.finish(step_seconds)
@@ -367,7 +394,7 @@ class Chameleon:
                 sync_fetches=counters.sync_fetches, late_prefetches=counters.late_prefetches,
                 budget_waits=counters.budget_waits, stall_seconds=self._copy.take_stall_seconds(),
                 step_seconds=step_seconds, host_peak_bytes=self._pool.peak_in_use_bytes,
-                skipped_bytes=counters.skipped_bytes, peak_device_bytes=peak_device, failed=failed,
+                skipped_bytes=counters.skipped_bytes, failed=failed, **memory,
                 sequence_changed=changed, plan_source=report["plan_source"],
                 predicted_stall_seconds=report["predicted_stall_seconds"],
                 profiler_seconds=profile.profiler_seconds,
@@ -409,6 +436,10 @@ class Chameleon:
             return
         self._ex.protect_buffers(module)
         self._module_starts.append(self._ex.next_index)
+        if self._memory is not None:
+            lowered = self._memory.on_progress(self._ex.stats.saved_bytes)
+            if lowered is not None:
+                self._ex.budget = lowered     # the step is larger than assumed: hold more off
         self._profiler.module_enter(module)
 
     def _module_post(self, module: torch.nn.Module, args, output) -> None:
@@ -481,6 +512,7 @@ def _compiling() -> bool:
 
 
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
+_OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
 
 
 def _first_grad_output(output) -> Optional[torch.Tensor]:

@@ -1,5 +1,15 @@
 """The ``demo`` and ``bench`` commands: argument parsing only; the work is in ``demo.py`` and
-``sweep.py``. Nothing here imports torch at module level, so ``--help`` answers at once."""
+``sweep.py``. Nothing here imports torch at module level, so ``--help`` answers at once.
+
+``bench --quick`` is the sweep cut to fit a GPU lent for ten minutes: one workload (llama-varlen),
+three runs (the plain step, full recomputation, the engine at 30%), one warm-up and four timed
+steps. Estimated for one H100 with ``--size gpu``, from steps measured there (plain 0.4 s,
+recomputed 1.2x, the engine at 30% 2.5x, but 8-15 s for the engine's first step of each new
+length, up to four): the natural-peak probe and the two peers about 10 s, the engine up to 65 s,
+four model builds (0.8B parameters drawn on the host) about 40 s: about 2 minutes, not measured.
+The full default sweep (5 workloads x 11 runs x 14 steps) takes well over an hour at that size:
+one workload with one budget and 6 steps had done 30 of its 56 step runs after 220 s.
+"""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +23,12 @@ BENCH_HELP = "sweep workloads x baselines x budgets; write results.json, results
 WORKLOAD_NAMES = ("llama-varlen", "moe", "layerdrop", "video-dit", "mixed")
 BASELINE_NAMES = ("none", "full-recompute", "selective-recompute", "save-on-cpu", "swap-all",
                   "static", "guard", "chameleon")
+
+# What --quick sweeps where the command line does not say otherwise, and the full defaults.
+QUICK = dict(workload=["llama-varlen"], baseline=["none", "full-recompute", "chameleon"],
+             budget=["30%"], steps=4, warmup=1)
+FULL = dict(workload=list(WORKLOAD_NAMES), baseline=list(BASELINE_NAMES), budget=["30%", "60%"],
+            steps=12, warmup=2)
 
 
 def configure_demo(p: argparse.ArgumentParser) -> None:
@@ -35,16 +51,21 @@ def run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def configure_bench(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", nargs="+", default=list(WORKLOAD_NAMES), metavar="W",
+    p.add_argument("--workload", nargs="+", default=None, metavar="W",
                    help=f"workloads: {', '.join(WORKLOAD_NAMES)}, hf:<model_type> (default: all "
-                        "built-in ones)")
-    p.add_argument("--baseline", nargs="+", default=list(BASELINE_NAMES), metavar="B",
-                   help=f"baselines: {', '.join(BASELINE_NAMES)} (default: all)")
-    p.add_argument("--budget", nargs="+", default=["30%", "60%"], metavar="X",
+                        "built-in ones; --quick: llama-varlen)")
+    p.add_argument("--baseline", nargs="+", default=None, metavar="B",
+                   help=f"baselines: {', '.join(BASELINE_NAMES)} (default: all; --quick: "
+                        f"{' '.join(QUICK['baseline'])})")
+    p.add_argument("--budget", nargs="+", default=None, metavar="X",
                    help="activation budgets: a share of each workload's natural activation peak "
-                        "('30%%') or a size ('64MiB') (default: 30%% 60%%)")
-    p.add_argument("--steps", type=int, default=12, help="timed steps (default: 12)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed first steps (default: 2)")
+                        "('30%%') or a size ('64MiB') (default: 30%% 60%%; --quick: 30%%)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default: 12; --quick: 4)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed first steps (default: 2; --quick: 1)")
+    p.add_argument("--quick", action="store_true",
+                   help="a sweep that fits a few minutes on one GPU even with --size gpu: the "
+                        "defaults above marked --quick (options given explicitly still apply)")
     p.add_argument("--size", default="small", help="workload size preset: tiny, small or gpu")
     p.add_argument("--device", default=None, help="'cpu' or 'cuda[:N]'")
     p.add_argument("--threads", type=int, default=None,
@@ -58,15 +79,22 @@ def configure_bench(p: argparse.ArgumentParser) -> None:
                    help="where results.json, results.md and the figures go (default: out/bench)")
 
 
-def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def bench_config(args: argparse.Namespace):
+    """The ``SweepConfig`` the parsed ``bench`` arguments ask for: an option left out takes its
+    ``--quick`` default with ``--quick``, else the full sweep's."""
     from .harness import SweepConfig
+    defaults = QUICK if args.quick else FULL
+    pick = {k: defaults[k] if getattr(args, k) is None else getattr(args, k) for k in defaults}
+    return SweepConfig(workloads=pick["workload"], baselines=pick["baseline"],
+                       budgets=pick["budget"], steps=pick["steps"], warmup=pick["warmup"],
+                       size=args.size, device=args.device, threads=args.threads,
+                       device_memory=args.device_memory, meter=False if args.no_meter else None)
+
+
+def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .sweep import run_bench as bench
     try:
-        cfg = SweepConfig(workloads=args.workload, baselines=args.baseline, budgets=args.budget,
-                          steps=args.steps, warmup=args.warmup, size=args.size,
-                          device=args.device, threads=args.threads,
-                          device_memory=args.device_memory,
-                          meter=False if args.no_meter else None)
+        cfg = bench_config(args)
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
     bench(cfg, args.out)

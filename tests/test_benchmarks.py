@@ -1,0 +1,64 @@
+"""benchmarks/*.py: with ``--device cuda`` each script's default plan fits a ten-minute GPU loan.
+
+Parsed on the CPU with ``torch.cuda.is_available`` pretending; nothing runs. The bounds are the
+step counts behind each script's docstring estimate (H100 step times measured for that size), so
+raising a default without estimating again fails here.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture
+def script(monkeypatch):
+    # The scripts put their own folder on sys.path when imported: undone after the test.
+    monkeypatch.setattr(sys, "path", [str(BENCHMARKS), *sys.path])
+
+    def load(name: str):
+        sys.modules.pop(name, None)
+        return importlib.import_module(name)
+    return load
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def _calibrate_steps(c, a) -> int:
+    engines = 2 + len(c.POLICIES) * len(a.fractions)        # reference, none, policies x budgets
+    return len(a.threads) * len(a.workloads) * (a.repeats + 1) * a.steps * engines
+
+
+def test_calibrate_sim_on_cuda_plans_a_tenth_of_its_cpu_defaults(script, fake_cuda):
+    c = script("calibrate_sim")
+    cpu = c.parse_args(["--device", "cpu", "--size", "gpu", "--threads", "1"])
+    gpu = c.parse_args(["--device", "cuda"])
+    assert gpu.size == "gpu" and gpu.workloads == ["llama-varlen"] and gpu.fractions == [0.5]
+    assert _calibrate_steps(c, gpu) == 90
+    assert _calibrate_steps(c, gpu) * 10 <= _calibrate_steps(c, cpu)
+    # What the command line names still applies.
+    mine = c.parse_args(["--device", "cuda", "--workloads", "moe", "--fractions", "0.5,0.25"])
+    assert mine.workloads == ["moe"] and mine.fractions == [0.5, 0.25] and mine.steps == 6
+    assert c.parse_args(["--device", "cuda", "--quick"]).size == "tiny"
+
+
+def test_adaptive_on_cuda_plans_the_steps_its_estimate_counts(script, fake_cuda):
+    a = script("adaptive").parse_args(["--device", "cuda"])
+    runs = 1 + 3                                            # none and the three policies
+    assert len(a.scenarios) * a.steps * runs <= 384
+    assert a.size == dict(dim=1024, layers=8, batch=8, seq=1024)
+
+
+def test_offload_overhead_on_cuda_plans_the_steps_its_estimate_counts(script, fake_cuda):
+    a = script("offload_overhead").parse_args(["--device", "cuda"])
+    modes = 2 + 3                                           # none, save_on_cpu, three budgets
+    assert (a.warmup + a.reps) * modes <= 85
+    assert (a.dim, a.layers, a.batch, a.seq) == (1024, 8, 8, 1024)
