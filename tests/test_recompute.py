@@ -1,0 +1,383 @@
+"""The recompute mechanism: finding blocks, and running each block call keep / selective / full with
+gradients bit-for-bit those of the plain step, holds that count what the hooks cannot see."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+from torch.utils.checkpoint import checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from _helpers import assert_bitwise, grads
+from _models import randn
+from chameleon_swap import recompute
+from chameleon_swap.recompute import MODES, BlockRunner, find_blocks
+from chameleon_swap.workloads import get_workload
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+
+class Accountant:
+    """Stands in for the executor: counts holds, and the records our own pack hook makes."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, int] = {}
+        self.peak = 0
+        self.next_index = 0
+        self._n = 0
+
+    def hold(self, nbytes: int) -> int:
+        self._n += 1
+        self.held[self._n] = nbytes
+        self.peak = max(self.peak, self.outstanding)
+        return self._n
+
+    def release_hold(self, token: int) -> None:
+        self.held.pop(token, None)
+
+    @property
+    def outstanding(self) -> int:
+        return sum(self.held.values())
+
+
+# --------------------------------------------------------------------------- test models
+class TBlock(nn.Module):
+    """Pre-norm transformer block: dropout, SDPA with a mask and rotary (cos, sin) passed as
+    keyword arguments only, an MLP with biases."""
+
+    def __init__(self, dim: int, p: float) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x, *, mask=None, rope=None, scale: float = 1.0):
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        if rope is not None:
+            cos, sin = rope
+            q, k = q * cos + q.flip(-1) * sin, k * cos + k.flip(-1) * sin
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.drop(self.proj(a)) * scale
+        return x + self.fc2(self.drop(F.gelu(self.fc1(self.ln2(x)))))
+
+
+class TModel(nn.Module):
+    def __init__(self, dim: int = 16, n: int = 3, p: float = 0.1, seed: int = 0) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.inp = nn.Linear(dim, dim)
+            self.layers = nn.ModuleList(TBlock(dim, p) for _ in range(n))
+            self.head = nn.Linear(dim, 1)
+
+    def forward(self, x):
+        T, D = x.shape[-2:]
+        mask = torch.ones(T, T, dtype=torch.bool).tril()
+        pos = torch.arange(T, dtype=x.dtype)[:, None] / 7.0
+        rope = (torch.cos(pos).expand(T, D), torch.sin(pos).expand(T, D))
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h, mask=mask, rope=rope, scale=0.5)
+        return self.head(h).pow(2).mean()
+
+
+def _tmodel_batches(lengths=(8, 13)):
+    return [randn(2, T, 16, seed=T) for T in lengths]
+
+
+def _workload(name: str):
+    w = get_workload(name, "tiny")
+    model = w.build("cpu")
+    return model, w.batches(2, "cpu"), w.loss
+
+
+def run_both(model, steps, mode_fn, loss_fn=None, *, micro=1, autocast=False, detailed=False,
+             blocks=None, runner_setup=None):
+    """Plain steps on one copy, runner steps on another; every loss and gradient must be equal.
+    ``steps``: a list of batches, ``micro`` consecutive ones forming one step (accumulation)."""
+    loss_fn = loss_fn or (lambda m, b: m(b))
+    ref, test = copy.deepcopy(model), copy.deepcopy(model)
+    acc = Accountant()
+    runner = BlockRunner(test, blocks, mode_fn=mode_fn, accountant=acc)
+    if runner_setup is not None:
+        runner_setup(runner)
+    runner.install()
+    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
+    all_calls = []
+    for s in range(0, len(steps), micro):
+        group = steps[s:s + micro]
+        ref.zero_grad(set_to_none=True)
+        test.zero_grad(set_to_none=True)
+        torch.manual_seed(s)
+        ref_losses = []
+        for b in group:
+            with ctx():
+                loss = loss_fn(ref, b)
+            loss.backward()
+            ref_losses.append(loss.detach())
+        torch.manual_seed(s)
+        runner.begin_step(detailed)
+        losses = []
+        for b in group:
+            with ctx():
+                loss = loss_fn(test, b)
+            loss.backward()
+            losses.append(loss.detach())
+        all_calls.append(runner.end_step(False))
+        for a, b in zip(ref_losses, losses):
+            assert_bitwise(a, grads(ref), b, grads(test))
+        assert acc.outstanding == 0
+    runner.remove()
+    return all_calls, acc, runner
+
+
+def const(mode):
+    return lambda b: mode
+
+
+# --------------------------------------------------------------------------- find_blocks
+def test_find_blocks_uses_hugging_face_no_split_modules():
+    model, _, _ = _workload("hf:llama")
+    blocks = find_blocks(model)
+    assert [type(b).__name__ for b in blocks] == ["LlamaDecoderLayer"] * 2
+    assert blocks == list(model.model.layers)
+    assert find_blocks(model, "model.layers") == blocks
+
+
+def test_find_blocks_falls_back_to_the_largest_uniform_module_list():
+    model, _, _ = _workload("moe")           # 2 layers, each with a longer list of 4 experts
+    assert find_blocks(model) == list(model.layers)
+    t = TModel()
+    assert find_blocks(t) == list(t.layers)
+
+
+def test_find_blocks_given_explicitly():
+    t = TModel()
+    assert find_blocks(t, "layers") == list(t.layers)
+    assert find_blocks(t, [t.layers[2], t.layers[0]]) == [t.layers[2], t.layers[0]]
+    assert find_blocks(t, (t.layers[1],)) == [t.layers[1]]
+    assert find_blocks(t, t.layers) == list(t.layers)
+
+
+def test_find_blocks_outermost_matches_only():
+    class Inner(nn.Linear):
+        pass
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = Inner(2, 2), Inner(2, 2)
+
+    class M(nn.Module):
+        _no_split_modules = ["Outer", "Inner"]
+
+        def __init__(self):
+            super().__init__()
+            self.first = Inner(2, 2)
+            self.rest = nn.ModuleList([Outer(), Outer()])
+
+    m = M()
+    assert find_blocks(m) == [m.first, m.rest[0], m.rest[1]]
+
+
+@pytest.mark.parametrize("blocks, error, words", [
+    ("nope", ValueError, "blocks='nope' names no submodule"),
+    ("head", ValueError, "is a Linear, not an nn.ModuleList"),
+    ([nn.Linear(2, 2)], ValueError, "not a submodule"),
+    ([], ValueError, "holds no modules"),
+    (42, TypeError, "blocks must be None"),
+    (["layers"], TypeError, "must hold nn.Module objects"),
+])
+def test_find_blocks_errors_name_the_argument(blocks, error, words):
+    with pytest.raises(error, match=words):
+        find_blocks(TModel(), blocks)
+
+
+def test_find_blocks_rejects_nesting_duplicates_and_models_without_blocks():
+    t = TModel()
+    with pytest.raises(ValueError, match="must not nest"):
+        find_blocks(t, [t.layers[0], t.layers[0].fc1])
+    with pytest.raises(ValueError, match="twice"):
+        find_blocks(t, [t.layers[0], t.layers[0]])
+    with pytest.raises(ValueError, match="blocks=None found no blocks in Linear"):
+        find_blocks(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        find_blocks("model")
+
+
+# --------------------------------------------------------------------------- install / remove
+def test_install_and_remove_restore_the_forwards_exactly():
+    t = TModel()
+    own = t.layers[1].forward
+    sentinel = lambda *a, **k: own(*a, **k)  # noqa: E731
+    t.layers[1].forward = sentinel            # someone's instance forward before ours
+    runner = BlockRunner(t, mode_fn=const("full"), accountant=Accountant())
+    runner.install()
+    wrapped = [b.__dict__["forward"] for b in t.layers]
+    runner.install()                          # idempotent: the same wrappers, not wrapped twice
+    assert [b.__dict__["forward"] for b in t.layers] == wrapped
+    assert wrapped[1].__wrapped__ is sentinel
+    runner.remove()
+    runner.remove()
+    assert "forward" not in t.layers[0].__dict__ and "forward" not in t.layers[2].__dict__
+    assert t.layers[0].forward == TBlock.forward.__get__(t.layers[0])
+    assert t.layers[1].__dict__["forward"] is sentinel
+    with BlockRunner(t, mode_fn=const("full"), accountant=Accountant()) as r:
+        assert all("forward" in b.__dict__ for b in r.blocks)
+    assert t.layers[1].__dict__["forward"] is sentinel and "forward" not in t.layers[0].__dict__
+
+
+def test_constructor_errors():
+    t = TModel()
+    with pytest.raises(TypeError, match="mode_fn must be a callable"):
+        BlockRunner(t, mode_fn="full", accountant=Accountant())
+    with pytest.raises(TypeError, match="accountant must have hold"):
+        BlockRunner(t, mode_fn=const("full"), accountant=object())
+
+    class NoIndex:
+        def hold(self, n):
+            return 0
+
+        def release(self, token):
+            pass
+    with pytest.raises(TypeError, match="index_fn must be a callable"):
+        BlockRunner(t, mode_fn=const("full"), accountant=NoIndex())
+    BlockRunner(t, mode_fn=const("full"), accountant=NoIndex(), index_fn=lambda: 0)
+
+
+def test_a_mode_outside_modes_is_a_clear_error():
+    t = TModel()
+    runner = BlockRunner(t, mode_fn=const("recompute"), accountant=Accountant())
+    runner.install()
+    runner.begin_step(False)
+    with pytest.raises(ValueError, match=r"mode_fn\(0\) must return one of"):
+        t(randn(1, 4, 16))
+    assert runner.end_step(True) == []
+
+
+# --------------------------------------------------------------------------- bit for bit
+@pytest.mark.parametrize("mode", MODES)
+def test_each_mode_is_bitwise_with_dropout_kwargs_and_variable_lengths(mode):
+    calls, acc, _ = run_both(TModel(p=0.2), _tmodel_batches((8, 13, 5)), const(mode))
+    assert [[c.mode for c in step] for step in calls] == [[mode] * 3] * 3
+    recomputed = [c.recompute_seconds is not None for step in calls for c in step]
+    assert recomputed == [mode != "keep"] * 9
+    if mode == "selective":
+        assert all(c.selective_bytes > 0 for step in calls for c in step) and acc.peak > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_bf16_autocast_on_cpu_is_bitwise(mode):
+    run_both(TModel(p=0.1), _tmodel_batches((8, 6)), const(mode), autocast=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradient_accumulation_over_two_micro_steps_is_bitwise(mode):
+    calls, _, _ = run_both(TModel(), _tmodel_batches((8, 11, 7, 9)), const(mode), micro=2)
+    assert [len(step) for step in calls] == [6, 6]     # both micro-steps' calls, one step
+
+
+@pytest.mark.parametrize("name", ["moe", "llama-varlen", "hf:llama"])
+@pytest.mark.parametrize("mode", MODES)
+def test_workloads_are_bitwise(name, mode):
+    model, batches, loss = _workload(name)
+    calls, _, _ = run_both(model, batches, const(mode), loss)
+    assert {c.mode for step in calls for c in step} == {mode}
+
+
+@settings(max_examples=8, deadline=None)
+@given(modes=st.lists(st.sampled_from(MODES), min_size=6, max_size=6), seed=st.integers(0, 3))
+def test_random_mixes_of_modes_are_bitwise(modes, seed):
+    calls_made = []
+
+    def mode_fn(b):
+        calls_made.append(b)
+        return modes[(len(calls_made) - 1) % len(modes)]
+    calls, _, _ = run_both(TModel(p=0.1, seed=seed), _tmodel_batches((7, 10)), mode_fn)
+    assert [c.mode for step in calls for c in step] == modes
+
+
+def test_moe_mix_with_data_dependent_routing_is_bitwise():
+    model, batches, loss = _workload("moe")
+    rng = random.Random(1)
+    calls, _, _ = run_both(model, batches, lambda b: rng.choice(MODES), loss)
+    assert len({c.mode for step in calls for c in step}) > 1
+
+
+# --------------------------------------------------------------------------- the user's own checkpointing
+class CkptBlock(nn.Module):
+    """A block that checkpoints its own MLP (non-reentrant), as a user would."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x):
+        return x + checkpoint(self.mlp, self.norm(x), use_reentrant=False)
+
+
+class CkptModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.layers = nn.ModuleList([TBlock(16, 0.0), CkptBlock(), TBlock(16, 0.0)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("first", ["keep", "full", "selective"])
+def test_a_block_with_the_users_checkpoint_is_found_and_left_alone(first):
+    asked = []
+
+    def mode_fn(b):
+        asked.append(b)
+        return first if len(asked) <= 3 else "full"
+    calls, _, runner = run_both(CkptModel(), _tmodel_batches((6, 9, 7)), mode_fn, blocks="layers")
+    assert runner.eligible == [True, False, True]
+    assert asked[:3] == [0, 1, 2] and asked[3:] == [0, 2, 0, 2]   # block 1 never asked again
+    assert [c.mode for c in calls[1]] == ["full", "keep", "full"]
+
+
+def _hf_checkpointing(model, on: bool) -> None:
+    if hasattr(model, "activation_checkpointing_enable"):          # transformers >= 5.x
+        if on:
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.activation_checkpointing_disable()
+    elif on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def test_hugging_face_gradient_checkpointing_makes_blocks_ineligible():
+    model, batches, loss = _workload("hf:llama")
+    _hf_checkpointing(model, True)
+    asked = []
+    calls, _, runner = run_both(model, batches, lambda b: asked.append(b) or "full", loss)
+    assert runner.eligible == [False, False] and asked == []
+    assert [c.mode for step in calls for c in step] == ["keep"] * 4
+    _hf_checkpointing(runner.model, False)
+    runner.begin_step(False)            # flags are read again at each step
+    assert runner.eligible == [True, True]
+    runner.end_step(False)
+
+
+def test_calls_that_update_a_kv_cache_run_keep():
+    model, batches, loss = _workload("hf:llama")
+    model.config.use_cache = True       # transformers then passes a cache to every layer
+    calls, _, _ = run_both(model, batches, const("full"),
+                           lambda m, b: m(*b.args, labels=b.kwargs["labels"], use_cache=True).loss)
+    assert [c.mode for step in calls for c in step] == ["keep"] * 4
