@@ -381,3 +381,280 @@ def test_calls_that_update_a_kv_cache_run_keep():
     calls, _, _ = run_both(model, batches, const("full"),
                            lambda m, b: m(*b.args, labels=b.kwargs["labels"], use_cache=True).loss)
     assert [c.mode for step in calls for c in step] == ["keep"] * 4
+
+
+# --------------------------------------------------------------------------- what goes through the hooks
+def _block_inputs(model):
+    """Records each block call's tensor inputs (args, kwargs and the tuples in them)."""
+    seen = []
+
+    def pre(module, args, kwargs):
+        flat = list(args) + [v for x in kwargs.values() for v in (x if isinstance(x, tuple) else (x,))]
+        seen.append([t for t in flat if isinstance(t, torch.Tensor)])
+    return seen, [b.register_forward_pre_hook(pre, with_kwargs=True) for b in model.layers]
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointed_inputs_kwargs_included_go_through_the_outer_hooks(mode):
+    model, x = TModel(p=0.0), randn(2, 9, 16)
+    ref = copy.deepcopy(model)
+    torch.manual_seed(0)
+    ref(x).backward()
+    packed, unpacked = [], []
+    acc = Accountant()
+
+    def pack(t):
+        # Stand-in for a swap: the original's bytes are not what backward gets back.
+        packed.append(t)
+        acc.next_index += 1
+        return len(packed) - 1, t.detach().clone()
+
+    def unpack(h):
+        unpacked.append(h[0])
+        return h[1]
+    runner = BlockRunner(model, mode_fn=const(mode), accountant=acc)
+    inputs, handles = _block_inputs(model)
+    with runner:
+        runner.begin_step(False)
+        torch.manual_seed(0)
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            loss = model(x)
+            loss.backward()
+        calls = runner.end_step(False)
+    for h in handles:
+        h.remove()
+    assert_bitwise(loss.detach(), grads(ref), loss.detach(), grads(model))
+    assert torch.equal(ref(x), loss)
+    for call, ins in zip(calls, inputs):
+        assert len(ins) == 4                       # h, mask, cos, sin; scale is a float
+        inside = packed[call.first_record:call.end_record]
+        assert len(inside) == len(ins) and all(p is t for p, t in zip(inside, ins))
+        assert set(range(call.first_record, call.end_record)) <= set(unpacked)
+        assert call.input_bytes == sum(t.untyped_storage().nbytes() for t in ins)
+
+
+def test_keep_saves_everything_through_the_hooks_and_records_nest():
+    model, x = TModel(p=0.0), randn(2, 9, 16)
+    acc = Accountant()
+
+    def pack(t):
+        acc.next_index += 1
+        return t
+    with BlockRunner(model, mode_fn=const("keep"), accountant=acc) as runner:
+        runner.begin_step(False)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(x).backward()
+        calls = runner.end_step(False)
+    assert all(c.end_record - c.first_record > 10 for c in calls)
+    assert all(a.end_record <= b.first_record for a, b in zip(calls, calls[1:]))
+
+
+# --------------------------------------------------------------------------- holds
+class MlpBlock(nn.Module):
+    def __init__(self, d: int, h: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, h), nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class MlpModel(nn.Module):
+    def __init__(self, d=8, h=24, n=3):
+        super().__init__()
+        torch.manual_seed(5)
+        self.layers = nn.ModuleList(MlpBlock(d, h) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("op_output", [True, False])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_selective_holds_the_bytes_of_the_matmul_outputs(monkeypatch, op_output, autocast):
+    if op_output and not recompute._OP_OUTPUT:
+        pytest.skip("this torch does not pass op_output to the policy")
+    monkeypatch.setattr(recompute, "_OP_OUTPUT", op_output)
+    B, T, d, h = 2, 5, 8, 24
+    calls, acc, _ = run_both(MlpModel(d, h), [randn(B, T, d)], const("selective"), autocast=autocast)
+    # Each block keeps the outputs of its two addmm: (B*T, h) and (B*T, d), in the compute dtype.
+    per_block = B * T * (h + d) * (2 if autocast else 4)
+    assert [c.selective_bytes for c in calls[0]] == [per_block] * 3
+    assert acc.peak == 3 * per_block                  # all held at the end of the forward
+
+
+class OutputBytes(TorchDispatchMode):
+    """Independent count: bytes of the outputs of matmul and attention ops, once per storage."""
+    NAMES = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention")
+
+    def __init__(self):
+        super().__init__()
+        self.storages = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in self.NAMES:
+            for t in (out if isinstance(out, tuple) else (out,)):
+                s = t.untyped_storage()
+                if not any(s is o for o in self.storages):
+                    self.storages.append(s)
+        return out
+
+
+def test_selective_holds_the_attention_outputs_too():
+    model, x = TModel(p=0.0), randn(2, 7, 16)
+    counter = OutputBytes()
+    with counter:
+        model(x)
+    expected = sum(s.nbytes() for s in counter.storages) - model.inp(x).untyped_storage().nbytes() \
+        - 2 * 7 * 4               # the input projection and the head are not in a block
+    calls, _, _ = run_both(model, [x], const("selective"))
+    assert sum(c.selective_bytes for c in calls[0]) == expected
+
+
+
+class WorkingSetAccountant(Accountant):
+    """Also tracks how many working-set holds (sizes >= 1e9 here) are outstanding at once."""
+    WS = 10**9
+
+    def __init__(self):
+        super().__init__()
+        self.most_ws = 0
+
+    def hold(self, nbytes):
+        token = super().hold(nbytes)
+        self.most_ws = max(self.most_ws, sum(n >= self.WS for n in self.held.values()))
+        return token
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("x_kind", ["constant", "leaf", "non-leaf"])
+def test_holds_are_released_as_backward_goes_and_all_at_end_step(mode, x_kind):
+    model, x = MlpModel(), randn(2, 5, 8)
+    if x_kind != "constant":
+        x.requires_grad_()
+    if x_kind == "non-leaf":
+        x = x * 1.0
+    acc = WorkingSetAccountant()
+    runner = BlockRunner(model, mode_fn=const(mode), accountant=acc)
+    runner.working_set_fn = lambda b: acc.WS * (b + 1)
+    with runner:
+        runner.begin_step(False)
+        loss = model(x)
+        assert (acc.outstanding > 0) == (mode == "selective")    # kept outputs held from forward
+        loss.backward()
+        # Block 0 is recomputed last: its hold ends with its input's gradient, which only a
+        # non-leaf input signals (a hook on a leaf would outlive the step); else end_step ends it.
+        assert acc.outstanding == (0 if x_kind == "non-leaf" else acc.WS)
+        calls = runner.end_step(False)
+    assert acc.outstanding == 0 and acc.most_ws == 1
+    assert [c.recomputed_bytes for c in calls] == [acc.WS, 2 * acc.WS, 3 * acc.WS]
+
+
+def test_a_failed_step_or_one_without_backward_releases_everything():
+    model, x = MlpModel(), randn(2, 5, 8)
+    acc = Accountant()
+    with BlockRunner(model, mode_fn=const("selective"), accountant=acc) as runner:
+        for failed in (True, False):
+            runner.begin_step(True)
+            loss = model(x)
+            assert acc.outstanding > 0
+            calls = runner.end_step(failed)
+            assert acc.outstanding == 0 and len(calls) == 3
+            assert all((c.forward_seconds is None) == failed for c in calls)
+        # The graph outlived its step: backward still recomputes, and holds nothing.
+        loss.backward()
+        assert acc.held == {} and acc.peak > 0
+    ref = MlpModel()
+    ref(x).backward()
+    assert_bitwise(ref(x).detach(), grads(ref), loss.detach(), grads(model))
+
+
+def test_calls_without_grad_or_outside_a_step_run_plainly():
+    model, x = TModel(), randn(1, 6, 16)
+    asked = []
+    with BlockRunner(model, mode_fn=lambda b: asked.append(b) or "full", accountant=Accountant()) as runner:
+        model(x)                                  # no step
+        runner.begin_step(False)
+        with torch.no_grad():
+            model(x)
+        with torch.inference_mode():
+            model.eval()(x)
+        assert runner.end_step(False) == [] and asked == []
+        runner.begin_step(False)
+        model.eval()(x).backward()               # eval with grad enabled still runs the modes
+        assert [c.mode for c in runner.end_step(False)] == ["full"] * 3 and asked == [0, 1, 2]
+    with pytest.raises(RuntimeError, match="twice"):
+        runner.begin_step(False)
+        runner.begin_step(False)
+
+
+class StepClock:
+    """Marks are integers; seconds are half of them: durations are checkable exactly."""
+
+    def __init__(self):
+        self.n = 0
+
+    def mark(self):
+        self.n += 3
+        return self.n
+
+    def seconds(self, marks):
+        return [m / 2 for m in marks]
+
+
+def test_timings_come_from_the_clock_and_the_recomputing_flag():
+    model, x = MlpModel(), randn(2, 5, 8)
+    flags = []
+    for b in model.layers:
+        b.fc1.register_forward_hook(lambda m, a, o: flags.append(runner.recomputing))
+    runner = BlockRunner(model, mode_fn=lambda b: "keep" if b == 1 else "full",
+                         accountant=Accountant(), clock=StepClock())
+    with runner:
+        for detailed in (False, True):
+            runner.begin_step(detailed)
+            flags.clear()
+            model(x).backward()
+            calls = runner.end_step(False)
+            assert [c.forward_seconds is not None for c in calls] == [detailed] * 3
+            assert [c.recompute_seconds is not None for c in calls] == [True, False, True]
+            # Blocks 2 and 0 recompute in backward: their fc1 runs again, flagged.
+            assert flags == [False, False, False, True, True]
+    # Nothing else marks the clock between a call's two marks, so each lasts one tick: 1.5 s.
+    assert all(c.recompute_seconds == 1.5 for c in calls if c.mode == "full")
+    assert [c.forward_seconds for c in calls][1] == 1.5
+
+
+class Caller(nn.Module):
+    """A block that calls another block (shared, not its submodule)."""
+
+    def __init__(self, other):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        object.__setattr__(self, "other", other)
+
+    def forward(self, x):
+        return self.other(self.lin(x))
+
+
+def test_a_block_called_from_inside_another_block_runs_plainly():
+    torch.manual_seed(0)
+    inner = MlpBlock(8, 16)
+    model = nn.ModuleDict({"a": Caller(inner), "b": inner})
+    asked = []
+    runner = BlockRunner(model, [model["a"], model["b"]], accountant=Accountant(),
+                         mode_fn=lambda b: asked.append(b) or "full")
+    ref = copy.deepcopy(model)
+    x = randn(2, 8)
+    with runner:
+        runner.begin_step(False)
+        loss = model["b"](model["a"](x)).sum()
+        loss.backward()
+        calls = runner.end_step(False)
+    assert asked == [0, 1] and [c.block for c in calls] == [0, 1]
+    ref_loss = ref["b"](ref["a"](x)).sum()
+    ref_loss.backward()
+    assert_bitwise(ref_loss.detach(), grads(ref), loss.detach(), grads(model))
