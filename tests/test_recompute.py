@@ -4,21 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import random
 
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 from torch.utils.checkpoint import checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from _helpers import assert_bitwise, grads
-from _models import randn
-from chameleon_swap import recompute
-from chameleon_swap.recompute import MODES, BlockRunner, find_blocks
+from _models import TBlock, TModel, randn
+from chameleon_swap import selective
+from chameleon_swap.recompute import MODES, BlockRunner
 from chameleon_swap.workloads import get_workload
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -48,47 +46,6 @@ class Accountant:
 
 
 # --------------------------------------------------------------------------- test models
-class TBlock(nn.Module):
-    """Pre-norm transformer block: dropout, SDPA with a mask and rotary (cos, sin) passed as
-    keyword arguments only, an MLP with biases."""
-
-    def __init__(self, dim: int, p: float) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
-        self.drop = nn.Dropout(p)
-
-    def forward(self, x, *, mask=None, rope=None, scale: float = 1.0):
-        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
-        if rope is not None:
-            cos, sin = rope
-            q, k = q * cos + q.flip(-1) * sin, k * cos + k.flip(-1) * sin
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        x = x + self.drop(self.proj(a)) * scale
-        return x + self.fc2(self.drop(F.gelu(self.fc1(self.ln2(x)))))
-
-
-class TModel(nn.Module):
-    def __init__(self, dim: int = 16, n: int = 3, p: float = 0.1, seed: int = 0) -> None:
-        super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            self.inp = nn.Linear(dim, dim)
-            self.layers = nn.ModuleList(TBlock(dim, p) for _ in range(n))
-            self.head = nn.Linear(dim, 1)
-
-    def forward(self, x):
-        T, D = x.shape[-2:]
-        mask = torch.ones(T, T, dtype=torch.bool).tril()
-        pos = torch.arange(T, dtype=x.dtype)[:, None] / 7.0
-        rope = (torch.cos(pos).expand(T, D), torch.sin(pos).expand(T, D))
-        h = self.inp(x)
-        for layer in self.layers:
-            h = layer(h, mask=mask, rope=rope, scale=0.5)
-        return self.head(h).pow(2).mean()
-
-
 def _tmodel_batches(lengths=(8, 13)):
     return [randn(2, T, 16, seed=T) for T in lengths]
 
@@ -141,76 +98,6 @@ def run_both(model, steps, mode_fn, loss_fn=None, *, micro=1, autocast=False, de
 
 def const(mode):
     return lambda b: mode
-
-
-# --------------------------------------------------------------------------- find_blocks
-def test_find_blocks_uses_hugging_face_no_split_modules():
-    model, _, _ = _workload("hf:llama")
-    blocks = find_blocks(model)
-    assert [type(b).__name__ for b in blocks] == ["LlamaDecoderLayer"] * 2
-    assert blocks == list(model.model.layers)
-    assert find_blocks(model, "model.layers") == blocks
-
-
-def test_find_blocks_falls_back_to_the_largest_uniform_module_list():
-    model, _, _ = _workload("moe")           # 2 layers, each with a longer list of 4 experts
-    assert find_blocks(model) == list(model.layers)
-    t = TModel()
-    assert find_blocks(t) == list(t.layers)
-
-
-def test_find_blocks_given_explicitly():
-    t = TModel()
-    assert find_blocks(t, "layers") == list(t.layers)
-    assert find_blocks(t, [t.layers[2], t.layers[0]]) == [t.layers[2], t.layers[0]]
-    assert find_blocks(t, (t.layers[1],)) == [t.layers[1]]
-    assert find_blocks(t, t.layers) == list(t.layers)
-
-
-def test_find_blocks_outermost_matches_only():
-    class Inner(nn.Linear):
-        pass
-
-    class Outer(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = Inner(2, 2), Inner(2, 2)
-
-    class M(nn.Module):
-        _no_split_modules = ["Outer", "Inner"]
-
-        def __init__(self):
-            super().__init__()
-            self.first = Inner(2, 2)
-            self.rest = nn.ModuleList([Outer(), Outer()])
-
-    m = M()
-    assert find_blocks(m) == [m.first, m.rest[0], m.rest[1]]
-
-
-@pytest.mark.parametrize("blocks, error, words", [
-    ("nope", ValueError, "blocks='nope' names no submodule"),
-    ("head", ValueError, "is a Linear, not an nn.ModuleList"),
-    ([nn.Linear(2, 2)], ValueError, "not a submodule"),
-    ([], ValueError, "holds no modules"),
-    (42, TypeError, "blocks must be None"),
-    (["layers"], TypeError, "must hold nn.Module objects"),
-])
-def test_find_blocks_errors_name_the_argument(blocks, error, words):
-    with pytest.raises(error, match=words):
-        find_blocks(TModel(), blocks)
-
-
-def test_find_blocks_rejects_nesting_duplicates_and_models_without_blocks():
-    t = TModel()
-    with pytest.raises(ValueError, match="must not nest"):
-        find_blocks(t, [t.layers[0], t.layers[0].fc1])
-    with pytest.raises(ValueError, match="twice"):
-        find_blocks(t, [t.layers[0], t.layers[0]])
-    with pytest.raises(ValueError, match="blocks=None found no blocks in Linear"):
-        find_blocks(nn.Linear(2, 2))
-    with pytest.raises(TypeError, match="model must be an nn.Module"):
-        find_blocks("model")
 
 
 # --------------------------------------------------------------------------- install / remove
@@ -474,9 +361,9 @@ class MlpModel(nn.Module):
 @pytest.mark.parametrize("op_output", [True, False])
 @pytest.mark.parametrize("autocast", [False, True])
 def test_selective_holds_the_bytes_of_the_matmul_outputs(monkeypatch, op_output, autocast):
-    if op_output and not recompute._OP_OUTPUT:
+    if op_output and not selective._OP_OUTPUT:
         pytest.skip("this torch does not pass op_output to the policy")
-    monkeypatch.setattr(recompute, "_OP_OUTPUT", op_output)
+    monkeypatch.setattr(selective, "_OP_OUTPUT", op_output)
     B, T, d, h = 2, 5, 8, 24
     calls, acc, _ = run_both(MlpModel(d, h), [randn(B, T, d)], const("selective"), autocast=autocast)
     # Each block keeps the outputs of its two addmm: (B*T, h) and (B*T, d), in the compute dtype.

@@ -20,40 +20,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import (CheckpointPolicy, SelectiveCheckpointContext, checkpoint,
-                                    create_selective_checkpoint_contexts)
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 
+from . import selective
+from .blocks import find_blocks
 from .profiler import _CpuClock
 
 MODES = ("keep", "selective", "full")
-
-_BLOCKS_HELP = ("blocks must be None (Hugging Face _no_split_modules, else the largest nn.ModuleList "
-                "of one class), a dotted path to an nn.ModuleList such as 'model.layers', or a "
-                "list of submodules")
-
-# Outputs selective checkpointing keeps: matmuls and attention (expensive to recompute, and what
-# backward needs anyway); norms, activations and elementwise ops are recomputed. Matched by
-# overload packet, so every overload counts; ops missing from this torch are skipped.
-_SAVED_OP_NAMES = (
-    "mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "dot", "_scaled_mm", "_int_mm",
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
-    "_efficient_attention_forward")
-SAVED_OPS = frozenset(getattr(torch.ops.aten, n) for n in _SAVED_OP_NAMES
-                      if hasattr(torch.ops.aten, n))
-
-# torch >= 2.8 hands the op's output to the policy function; older torch gets an observing
-# dispatch mode on top of checkpoint's caching mode instead (same ops, same bytes).
-_OP_OUTPUT = "op_output" in inspect.signature(SelectiveCheckpointContext.__init__).parameters
+__all__ = ["MODES", "BlockCall", "BlockRunner", "find_blocks"]
 
 # Keyword arguments through which a block updates a KV cache: recomputing such a call would update
 # the cache twice, so those calls run keep.
@@ -61,97 +41,6 @@ _CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
 
 _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
-
-
-def saves_output(func) -> bool:
-    """Whether selective checkpointing keeps this op's output (instead of recomputing it)."""
-    return getattr(func, "overloadpacket", None) in SAVED_OPS
-
-
-# --------------------------------------------------------------------------- finding blocks
-def find_blocks(model: nn.Module, blocks=None) -> list[nn.Module]:
-    """The model's repeated blocks, in module order.
-
-    ``blocks=None``: modules whose class is named in a Hugging Face ``_no_split_modules`` (of the
-    model or any submodule; outermost matches only, in ``named_modules`` order); if there is none,
-    the children of the nn.ModuleList of one class holding the most parameters (then the longest;
-    ties: the first found). ``blocks`` may also be a dotted path to an nn.ModuleList
-    (``"model.layers"``), or a list, tuple or nn.ModuleList of submodules of ``model`` (distinct,
-    none inside another).
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module; got {type(model).__name__}")
-    if blocks is None:
-        found = _no_split_blocks(model) or _largest_uniform_list(model)
-        if not found:
-            raise ValueError(f"blocks=None found no blocks in {type(model).__name__}: it has no "
-                             f"_no_split_modules match and no non-empty nn.ModuleList of one "
-                             f"class; {_BLOCKS_HELP}")
-        return found
-    if isinstance(blocks, str):
-        try:
-            holder = model.get_submodule(blocks)
-        except AttributeError as e:
-            raise ValueError(f"blocks={blocks!r} names no submodule of {type(model).__name__} "
-                             f"({e}); {_BLOCKS_HELP}") from None
-        if not isinstance(holder, nn.ModuleList):
-            raise ValueError(f"blocks={blocks!r} is a {type(holder).__name__}, not an "
-                             f"nn.ModuleList; {_BLOCKS_HELP}")
-        found = list(holder)
-    elif isinstance(blocks, (list, tuple, nn.ModuleList)):
-        found = list(blocks)
-        for b in found:
-            if not isinstance(b, nn.Module):
-                raise TypeError(f"blocks must hold nn.Module objects; got a {type(b).__name__}")
-        inside = {id(m) for m in model.modules()}
-        for b in found:
-            if id(b) not in inside:
-                raise ValueError(f"blocks holds a {type(b).__name__} that is not a submodule of "
-                                 f"{type(model).__name__}; {_BLOCKS_HELP}")
-    else:
-        raise TypeError(f"{_BLOCKS_HELP}; got {type(blocks).__name__}")
-    if not found:
-        raise ValueError(f"blocks={blocks!r} holds no modules; {_BLOCKS_HELP}")
-    _check_disjoint(found)
-    return found
-
-
-def _no_split_blocks(model: nn.Module) -> list[nn.Module]:
-    names: set[str] = set()
-    for m in model.modules():
-        value = getattr(m, "_no_split_modules", None)
-        if isinstance(value, (list, tuple, set, frozenset)):
-            names.update(v for v in value if isinstance(v, str))
-    if not names:
-        return []
-    found, prefixes = [], []
-    for name, m in model.named_modules():
-        if name and type(m).__name__ in names and not any(name.startswith(p) for p in prefixes):
-            found.append(m)
-            prefixes.append(name + ".")
-    return found
-
-
-def _largest_uniform_list(model: nn.Module) -> list[nn.Module]:
-    best, best_key = [], None
-    for m in model.modules():
-        if isinstance(m, nn.ModuleList) and len(m) and len({type(c) for c in m}) == 1:
-            key = (sum(p.numel() for p in m.parameters()), len(m))
-            if best_key is None or key > best_key:
-                best, best_key = list(m), key
-    return best
-
-
-def _check_disjoint(found: list[nn.Module]) -> None:
-    ids = [id(b) for b in found]
-    if len(set(ids)) != len(ids):
-        raise ValueError("blocks lists one module twice; each block must appear once")
-    for b in found:
-        inner = {id(m) for m in b.modules() if m is not b}
-        for other in found:
-            if id(other) in inner:
-                raise ValueError(f"blocks must not nest: a {type(other).__name__} is inside a "
-                                 f"{type(b).__name__}; pass the outermost blocks only")
 
 
 # --------------------------------------------------------------------------- what ran
@@ -368,7 +257,8 @@ class BlockRunner:
             return orig(*a, **k) if self._recomputes else self._probed(i, orig, a, k)
 
         if call.mode == "selective":
-            forward_ctx, recompute_ctx = _selective_contexts(functools.partial(self._keep_out, live))
+            forward_ctx, recompute_ctx = selective.selective_contexts(
+                functools.partial(self._keep_out, live))
         else:
             forward_ctx, recompute_ctx = contextlib.nullcontext(), None
         ctx = _Recompute(self, live, recompute_ctx)
@@ -460,41 +350,6 @@ class _Recompute:
                 start, self.start = self.start, None
                 r._recompute_ends(self.live, start)
         return False
-
-
-class _KeepObserver(TorchDispatchMode):
-    """Older torch: sees the outputs of the ops selective checkpointing keeps (entered on top of
-    its caching mode, so the op has run there by the time the output comes back)."""
-
-    def __init__(self, on_output) -> None:
-        super().__init__()
-        self.on_output = on_output
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if saves_output(func):
-            self.on_output(out)
-        return out
-
-
-def _selective_contexts(on_output):
-    if _OP_OUTPUT:
-        def policy(ctx, func, *args, **kwargs):
-            if saves_output(func):
-                on_output(ctx.op_output)
-                return CheckpointPolicy.MUST_SAVE
-            return CheckpointPolicy.PREFER_RECOMPUTE
-        return create_selective_checkpoint_contexts(policy)
-
-    def policy(ctx, func, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if saves_output(func) else CheckpointPolicy.PREFER_RECOMPUTE
-    caching, cached = create_selective_checkpoint_contexts(policy)
-
-    @contextlib.contextmanager
-    def forward_ctx():
-        with caching, _KeepObserver(on_output):
-            yield
-    return forward_ctx(), cached
 
 
 # --------------------------------------------------------------------------- helpers
