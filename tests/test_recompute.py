@@ -203,20 +203,21 @@ def test_moe_mix_with_data_dependent_routing_is_bitwise():
 class CkptBlock(nn.Module):
     """A block that checkpoints its own MLP (non-reentrant), as a user would."""
 
-    def __init__(self, dim: int = 16):
+    def __init__(self, dim: int = 16, reentrant: bool = False):
         super().__init__()
+        self.reentrant = reentrant
         self.norm = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
 
     def forward(self, x):
-        return x + checkpoint(self.mlp, self.norm(x), use_reentrant=False)
+        return x + checkpoint(self.mlp, self.norm(x), use_reentrant=self.reentrant)
 
 
 class CkptModel(nn.Module):
-    def __init__(self):
+    def __init__(self, reentrant: bool = False):
         super().__init__()
         torch.manual_seed(3)
-        self.layers = nn.ModuleList([TBlock(16, 0.0), CkptBlock(), TBlock(16, 0.0)])
+        self.layers = nn.ModuleList([TBlock(16, 0.0), CkptBlock(16, reentrant), TBlock(16, 0.0)])
 
     def forward(self, x):
         for layer in self.layers:
@@ -235,6 +236,14 @@ def test_a_block_with_the_users_checkpoint_is_found_and_left_alone(first):
     assert runner.eligible == [True, False, True]
     assert asked[:3] == [0, 1, 2] and asked[3:] == [0, 2, 0, 2]   # block 1 never asked again
     assert [c.mode for c in calls[1]] == ["full", "keep", "full"]
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_a_users_reentrant_checkpoint_is_not_seen_and_nests_correctly(mode):
+    calls, _, runner = run_both(CkptModel(reentrant=True), _tmodel_batches((6, 9)), const(mode),
+                                blocks="layers")
+    assert runner.eligible == [True, True, True]
+    assert [c.mode for step in calls for c in step] == [mode] * 6
 
 
 def _hf_checkpointing(model, on: bool) -> None:
@@ -545,3 +554,21 @@ def test_a_block_called_from_inside_another_block_runs_plainly():
     ref_loss = ref["b"](ref["a"](x)).sum()
     ref_loss.backward()
     assert_bitwise(ref_loss.detach(), grads(ref), loss.detach(), grads(model))
+
+
+def test_full_blocks_survive_a_second_backward_with_retain_graph():
+    model, x = MlpModel(), randn(2, 5, 8)
+    ref = copy.deepcopy(model)
+    ref_loss = ref(x)
+    ref_loss.backward(retain_graph=True)
+    ref_loss.backward()
+    acc = Accountant()
+    with BlockRunner(model, mode_fn=const("full"), accountant=acc) as runner:
+        runner.working_set_fn = lambda b: 7
+        runner.begin_step(False)
+        loss = model(x)
+        loss.backward(retain_graph=True)
+        loss.backward()                            # recomputes every block a second time
+        calls = runner.end_step(False)
+    assert_bitwise(ref_loss.detach(), grads(ref), loss.detach(), grads(model))
+    assert acc.outstanding == 0 and all(c.recomputed_bytes == 7 for c in calls)

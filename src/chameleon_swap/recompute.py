@@ -14,7 +14,17 @@
 Which mode a call runs is not decided here: ``mode_fn(block_index)`` is asked for each call.
 Recompute runs the same code on the same inputs with the RNG state and autocast state of the
 forward (checkpoint restores them), so gradients are bit-for-bit those of the plain step. A block
-with the user's own checkpointing inside is left as the user wrote it (always keep).
+with the user's own checkpointing inside is left as the user wrote it (always keep): found from
+``gradient_checkpointing`` flags (transformers) on the block, inside it or above it, and at run
+time when a module inside the block starts under other saved-tensor hooks than the block did (a
+non-reentrant checkpoint or ``save_on_cpu`` of the user's). A reentrant checkpoint saves nothing
+inside and is not seen; nested in ours it stays correct, it only recomputes twice.
+
+Limits: a selective block can be backwarded once per forward (torch's selective checkpointing
+refuses a second backward with ``retain_graph``; full blocks recompute again). A kept output that
+is also saved through the hooks later (a block ending in a matmul whose output the next block
+saves) is counted twice: too much, never too little. Under ``torch.compile`` tracing, blocks run
+plainly.
 """
 from __future__ import annotations
 
@@ -140,7 +150,8 @@ class BlockRunner:
         return self._recomputes > 0
 
     def _refresh_eligible(self) -> None:
-        self.eligible = [not self._user_ckpt[i] and not any(
+        # In place: a caller holding the list sees it change.
+        self.eligible[:] = [not self._user_ckpt[i] and not any(
             getattr(m, "gradient_checkpointing", False) is True
             for m in (*self._ancestors[i], *b.modules())) for i, b in enumerate(self.blocks)]
 
