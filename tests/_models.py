@@ -9,6 +9,8 @@ by Python: every activation that survives the forward pass is held by autograd a
   ``requires_grad`` as weights, so the engine's module hooks never fire (its guard must work from
   the unpack hook alone).
 * ``random_model(spec)``: a random stack of blocks for hypothesis (``SPEC_BLOCKS``).
+* ``TModel``: a stack of pre-norm transformer blocks with dropout whose mask and rotary (cos, sin)
+  tuple are passed as keyword arguments only, as Hugging Face layers get them.
 """
 from __future__ import annotations
 
@@ -185,6 +187,48 @@ class RandomModel(nn.Module):
 def random_model(spec: dict) -> RandomModel:
     """``spec``: ``{"blocks": [names from SPEC_BLOCKS], "dim": even int, "seed": int}``."""
     return RandomModel(spec["blocks"], spec["dim"], spec.get("seed", 0))
+
+
+# --------------------------------------------------------------------------- TModel
+class TBlock(nn.Module):
+    """Pre-norm transformer block: dropout, SDPA with a mask and rotary (cos, sin) passed as
+    keyword arguments only, an MLP with biases."""
+
+    def __init__(self, dim: int, p: float) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x, *, mask=None, rope=None, scale: float = 1.0):
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        if rope is not None:
+            cos, sin = rope
+            q, k = q * cos + q.flip(-1) * sin, k * cos + k.flip(-1) * sin
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.drop(self.proj(a)) * scale
+        return x + self.fc2(self.drop(F.gelu(self.fc1(self.ln2(x)))))
+
+
+class TModel(nn.Module):
+    def __init__(self, dim: int = 16, n: int = 3, p: float = 0.1, seed: int = 0) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.inp = nn.Linear(dim, dim)
+            self.layers = nn.ModuleList(TBlock(dim, p) for _ in range(n))
+            self.head = nn.Linear(dim, 1)
+
+    def forward(self, x):
+        T, D = x.shape[-2:]
+        mask = torch.ones(T, T, dtype=torch.bool).tril()
+        pos = torch.arange(T, dtype=x.dtype)[:, None] / 7.0
+        rope = (torch.cos(pos).expand(T, D), torch.sin(pos).expand(T, D))
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h, mask=mask, rope=rope, scale=0.5)
+        return self.head(h).pow(2).mean()
 
 
 def randn(*shape: int, seed: int = 0) -> torch.Tensor:

@@ -180,6 +180,8 @@ class Executor:
         self.next_index = 0
         self.stats = StepCounters()
         self.in_step = False
+        self._holds: dict[int, int] = {}         # hold token -> bytes (see hold())
+        self._next_hold = 0
 
     # ------------------------------------------------------------------ step boundaries
     def begin_step(self, budget: Optional[int]) -> None:
@@ -443,3 +445,35 @@ class Executor:
                 now = h.current_version()
                 if now is not None and now != h.version:
                     h.dirty = now
+
+    # ------------------------------------------------------------------ holds (recompute mechanism)
+    def hold(self, nbytes: int) -> int:
+        """Count ``nbytes`` of device memory as resident saved activations that the hooks cannot
+        see (the outputs selective checkpointing keeps itself, a block's recompute working set).
+        Held bytes are never moved; they stay counted until ``release_hold(token)``. ``end_step``
+        leaves holds alone: whoever holds releases."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            raise TypeError(f"nbytes must be an int (bytes to hold); got {type(nbytes).__name__}")
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0; got {nbytes}")
+        with self.lock:
+            token = self._next_hold
+            self._next_hold += 1
+            self._holds[token] = nbytes
+            self.resident_bytes += nbytes
+            if self.resident_bytes > self.stats.peak_resident_bytes:
+                self.stats.peak_resident_bytes = self.resident_bytes
+            return token
+
+    def release_hold(self, token: int) -> None:
+        """Stop counting a hold; releasing a token again (or one never given) does nothing."""
+        with self.lock:
+            nbytes = self._holds.pop(token, None)
+            if nbytes is not None:
+                self.resident_bytes -= nbytes
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of holds not released yet (included in ``resident_bytes``)."""
+        with self.lock:
+            return sum(self._holds.values())

@@ -1,0 +1,70 @@
+"""Selective checkpointing: which ops' outputs a selectively checkpointed block keeps (matmuls and
+attention), and checkpoint contexts that report each kept output, so its bytes can be held."""
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+from torch.utils.checkpoint import (CheckpointPolicy, SelectiveCheckpointContext,
+                                    create_selective_checkpoint_contexts)
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Outputs selective checkpointing keeps: matmuls and attention (expensive to recompute, and what
+# backward needs anyway); norms, activations and elementwise ops are recomputed. Matched by
+# overload packet, so every overload counts; ops missing from this torch are skipped.
+_SAVED_OP_NAMES = (
+    "mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "dot", "_scaled_mm", "_int_mm",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
+    "_efficient_attention_forward")
+SAVED_OPS = frozenset(getattr(torch.ops.aten, n) for n in _SAVED_OP_NAMES
+                      if hasattr(torch.ops.aten, n))
+
+# Recent torch (2.13 does) hands the op's output to the policy function; older torch gets an
+# observing dispatch mode on top of checkpoint's caching mode instead (same ops, same bytes).
+_OP_OUTPUT = "op_output" in inspect.signature(SelectiveCheckpointContext.__init__).parameters
+
+
+def saves_output(func) -> bool:
+    """Whether selective checkpointing keeps this op's output (instead of recomputing it)."""
+    return getattr(func, "overloadpacket", None) in SAVED_OPS
+
+
+class _KeepObserver(TorchDispatchMode):
+    """Older torch: sees the outputs of the ops selective checkpointing keeps (entered on top of
+    its caching mode, so the op has run there by the time the output comes back)."""
+
+    def __init__(self, on_output) -> None:
+        super().__init__()
+        self.on_output = on_output
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if saves_output(func):
+            self.on_output(out)
+        return out
+
+
+def selective_contexts(on_output):
+    """checkpoint's ``(forward, recompute)`` contexts for selective checkpointing that keeps the
+    outputs of ``saves_output`` ops and recomputes the rest; ``on_output(out)`` is called in the
+    forward with each kept op's output (a tensor or a tuple of them)."""
+    if _OP_OUTPUT:
+        def policy(ctx, func, *args, **kwargs):
+            if saves_output(func):
+                on_output(ctx.op_output)
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return create_selective_checkpoint_contexts(policy)
+
+    def by_op(ctx, func, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if saves_output(func) else CheckpointPolicy.PREFER_RECOMPUTE
+    caching, cached = create_selective_checkpoint_contexts(by_op)
+
+    @contextlib.contextmanager
+    def forward_ctx():
+        with caching, _KeepObserver(on_output):
+            yield
+    return forward_ctx(), cached
