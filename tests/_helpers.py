@@ -47,11 +47,14 @@ def natural_peak(model: torch.nn.Module, batch, loss_fn=None, device="cpu") -> i
 
 
 def compare(model: torch.nn.Module, batches, budget_fraction: Optional[float], *,
-            loss_fn=None, device="cpu", min_tensor_bytes=0, **engine_kwargs):
+            loss_fn=None, device="cpu", min_tensor_bytes=0, model_kwarg=False, **engine_kwargs):
     """Train a copy of ``model`` on ``batches`` without and with the engine (budget a fraction of
     each batch's natural peak, or None for unlimited); assert bitwise equality of every loss and
-    gradient and that every step holds its budget. Returns the engine's history."""
+    gradient and that every step holds its budget. ``model_kwarg``: give the engine the trained
+    copy as ``model=`` (recomputation). Returns the engine's history."""
     ref, test = copy.deepcopy(model), copy.deepcopy(model)
+    if model_kwarg:
+        engine_kwargs["model"] = test
     peaks = [natural_peak(model, b, loss_fn, device) for b in batches]
     budget = None if budget_fraction is None else int(min(peaks) * budget_fraction)
     with cs.Chameleon(budget, device=device, min_tensor_bytes=min_tensor_bytes,

@@ -273,8 +273,11 @@ class Chameleon:
             find_blocks(model, blocks)
             return None
         policy = self._policy
-        runner = BlockRunner(model, blocks, mode_fn=policy.block_mode, accountant=self._ex,
-                             clock=self._profiler.clock, index_fn=lambda: self._ex.next_index)
+        # The model's blocks hold the runner; the runner holds the engine only weakly, so an
+        # engine never closed can still be collected (its blocks then run keep).
+        ref = weakref.WeakMethod(self._block_mode)
+        runner = BlockRunner(model, blocks, mode_fn=lambda b: (ref() or _keep)(b),
+                             accountant=self._ex, clock=self._profiler.clock)
         runner.working_set_fn = policy.working_set
         policy.modes.eligible = list(runner.eligible)
         runner.install()
@@ -428,6 +431,9 @@ class Chameleon:
                    link=self._bandwidth(), model_state_bytes=self._state_bytes)
 
     # ------------------------------------------------------------------ module hooks
+    def _block_mode(self, b: int) -> str:
+        return self._policy.block_mode(b, self._runner.input_bytes)
+
     def _recomputing(self) -> bool:
         return self._runner is not None and self._runner.recomputing
 
@@ -454,6 +460,10 @@ class Chameleon:
             # Fires when the gradient of this module's output is ready: just before backward
             # reaches the tensors this module saved.
             t.register_hook(self._ex.backward_trigger)
+
+
+def _keep(b: int) -> str:
+    return "keep"
 
 
 def _block_stats(calls: list, with_model: bool) -> dict:

@@ -114,6 +114,15 @@ class Handle:
                 pass
 
 
+class _Need:
+    """The size of a hold, asked of the policy like a record's: room for ``nbytes``."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+
 class StepCounters:
     __slots__ = ("saved_bytes", "skipped_bytes", "foreign_bytes", "offloaded_bytes", "offloaded_tensors",
                  "prefetched_bytes", "fetched_bytes", "sync_fetches", "late_prefetches",
@@ -175,7 +184,7 @@ class Executor:
         self.live: set[Record] = set()           # records with live handles (any step)
         self.resident_bytes = 0
         self.inflight_out_bytes = 0              # counted bytes whose copy-out is in flight
-        self.prefetch_reserve = 0                # room copies back leave for recomputes to come
+        self.recompute_reserve = 0               # room kept for the recomputes still to come
         self.moves = 0                           # records sent towards host so far (any step)
         self.next_index = 0
         self.stats = StepCounters()
@@ -187,7 +196,7 @@ class Executor:
     def begin_step(self, budget: Optional[int]) -> None:
         with self.lock:
             self.budget = budget
-            self.prefetch_reserve = 0
+            self.recompute_reserve = 0
             self.next_index = 0
             self.stats = StepCounters()
             self.stats.peak_resident_bytes = self.resident_bytes
@@ -457,12 +466,23 @@ class Executor:
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0; got {nbytes}")
         with self.lock:
+            if self.budget is not None and nbytes and self.policy is not None \
+                    and self.resident_bytes + nbytes > self.budget:
+                # Room as for a save: in forward the policy copies out; in backward it drops
+                # device copies that are still valid on the host (no copy needed).
+                need = _Need(nbytes)
+                if self.profiler is None or not self.profiler.used:
+                    self.policy.make_room(need)
+                else:
+                    self.policy.make_room_backward(need)
             token = self._next_hold
             self._next_hold += 1
             self._holds[token] = nbytes
             self.resident_bytes += nbytes
             if self.resident_bytes > self.stats.peak_resident_bytes:
                 self.stats.peak_resident_bytes = self.resident_bytes
+            if self.profiler is not None:
+                self.profiler.on_hold(sum(self._holds.values()))
             return token
 
     def release_hold(self, token: int) -> None:
@@ -471,6 +491,8 @@ class Executor:
             nbytes = self._holds.pop(token, None)
             if nbytes is not None:
                 self.resident_bytes -= nbytes
+                if self.profiler is not None:
+                    self.profiler.on_hold(sum(self._holds.values()))
 
     @property
     def held_bytes(self) -> int:

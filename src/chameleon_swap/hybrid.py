@@ -20,7 +20,7 @@ into the timeline of a mix of modes:
   (``reserve``): the recompute re-creates them.
 * selective: the same, except that the recompute costs the measured selective time and the bytes
   selective checkpointing keeps (matmul and attention outputs) are held from the block's first
-  save until its recompute.
+  save until its backward begins, where they become part of the held working set.
 
 ``plan_hybrid`` searches families of mixes (blocks converted in order of the shortest wait between
 their forward and their backward, since those are the ones the link cannot hide), runs the swap
@@ -78,9 +78,23 @@ class HybridPlan:
         return tuple(self.modes.count(m) for m in MODES)
 
 
+def own_spans(profile: Profile, block: Block) -> tuple[list[int], int]:
+    """The spans a recompute of ``block`` re-creates, and the slot where its backward begins.
+
+    Its backward begins where backward first needs the last tensor it saved (reverse order).
+    A tensor it saved first but that backward needs before that is shared with later blocks
+    (rotary tables, masks): those still need it, so it is not the block's own and stays a span
+    whatever the block's mode."""
+    n_slots = profile.n_slots
+    inner = range(block.first_span, block.end_span)
+    begin = next((profile.spans[j].use for j in reversed(inner)
+                  if profile.spans[j].use < n_slots), n_slots)
+    return [j for j in inner if profile.spans[j].use >= begin], begin
+
+
 def working_set(profile: Profile, block: Block) -> int:
     """Bytes the block's recompute re-creates for its backward: what it saves when kept."""
-    return sum(sp.nbytes for sp in profile.spans[block.first_span:block.end_span])
+    return sum(profile.spans[j].nbytes for j in own_spans(profile, block)[0])
 
 
 def apply_modes(profile: Profile, blocks: Sequence[Block], modes: Sequence[str]) -> Profile:
@@ -95,25 +109,24 @@ def apply_modes(profile: Profile, blocks: Sequence[Block], modes: Sequence[str])
     for b, (blk, mode) in enumerate(zip(blocks, modes)):
         if mode not in MODES:
             raise ValueError(f"mode of block {b} must be one of {MODES}; got {mode!r}")
-        inner = range(blk.first_span, blk.end_span)
-        if mode == "keep" or not blk.eligible or not inner:
+        if mode == "keep" or not blk.eligible or blk.first_span == blk.end_span:
             continue
         if mode == "selective" and not blk.selective_known:
             raise ValueError(f"block {b} has no measured selective figures")
-        spans = [profile.spans[j] for j in inner]
-        uses = [sp.use for sp in spans if sp.use < n_slots]
-        if not uses:
+        own, begin = own_spans(profile, blk)
+        if begin >= n_slots:
             continue                                  # never needed again: nothing to recompute
-        drop.update(inner)
+        spans = [profile.spans[j] for j in own]
+        drop.update(own)
         first_save = min(sp.save for sp in spans)
-        begin, end = min(uses), max(uses)             # the block's backward, in slots
+        end = max(sp.use for sp in spans if sp.use < n_slots)   # the block's backward, in slots
         added.append((first_save, b, Span(blk.input_bytes, first_save, begin)))
         held = sum(sp.nbytes for sp in spans)
         if mode == "full":
             compute[begin] += blk.forward_seconds
         else:
             compute[begin] += blk.selective_seconds
-            for s in range(first_save, begin + 1):
+            for s in range(first_save, begin):     # from then on, part of the working set
                 reserve[s] += blk.selective_bytes
         for s in range(begin, end + 1):
             reserve[s] += held
@@ -134,12 +147,13 @@ def conversion_order(profile: Profile, blocks: Sequence[Block]) -> list[int]:
     n_slots = profile.n_slots
     keyed = []
     for b, blk in enumerate(blocks):
-        spans = profile.spans[blk.first_span:blk.end_span]
-        uses = [sp.use for sp in spans if sp.use < n_slots]
-        if not blk.eligible or not uses:
+        if not blk.eligible or blk.first_span == blk.end_span:
             continue
-        last_save = max(sp.save for sp in spans)
-        keyed.append((st[min(uses)] - st[last_save + 1], -b, b))
+        own, begin = own_spans(profile, blk)
+        if begin >= n_slots:
+            continue
+        last_save = max(profile.spans[j].save for j in own)
+        keyed.append((st[begin] - st[last_save + 1], -b, b))
     return [b for *_, b in sorted(keyed)]
 
 

@@ -122,6 +122,7 @@ class BlockRunner:
         self.model = model
         self.mode_fn = mode_fn
         self.working_set_fn: Optional[Callable[[int], int]] = None
+        self.input_bytes = 0                # the running call's input bytes (set before mode_fn)
         self._hold, self._release, self._index = accountant.hold, release, index_fn
         self.clock = clock if clock is not None else _CpuClock()
         names = {id(m): n for n, m in model.named_modules()}
@@ -226,12 +227,13 @@ class BlockRunner:
 
     def _call(self, i: int, orig, args: tuple, kwargs: dict):
         mode = "keep"
+        flat, rebuild = _flatten(args, kwargs)
+        self.input_bytes = _storage_bytes(flat)      # what mode_fn may read: this call's size
         if self.eligible[i] and not any(kwargs.get(k) is not None for k in _CACHE_KWARGS):
             mode = self.mode_fn(i)
             if mode not in MODES:
                 raise ValueError(f"mode_fn({i}) must return one of {MODES}; got {mode!r}")
-        flat, rebuild = _flatten(args, kwargs)
-        call = BlockCall(i, mode, _storage_bytes(flat), self._index(), -1)
+        call = BlockCall(i, mode, self.input_bytes, self._index(), -1)
         self._calls.append(call)
         start = self.clock.mark() if self._detailed else None
         self._depth += 1
@@ -306,28 +308,31 @@ class BlockRunner:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"working_set_fn({live.call.block}) must return bytes as an int "
                              f">= 0; got {n!r}")
-        if n and live.ws_token is None:
-            live.ws_token = self._hold(n)
+        # The outputs selective checkpointing kept are part of what the block's backward needs:
+        # the recompute re-creates only the rest, and the kept ones stay held until the
+        # block's backward is done (they are consumed by it, not freed by the recompute).
+        rest = max(0, n - live.call.selective_bytes)
+        if live.ws_token is None and live not in self._open_ws and (rest or live.sel_tokens):
+            if rest:
+                live.ws_token = self._hold(rest)
             live.call.recomputed_bytes = n
             self._open_ws.append(live)
         return self.clock.mark()
 
     def _recompute_ends(self, live: _Live, start) -> None:
         self._timed.append((live.call, "recompute", start, self.clock.mark()))
-        for token in live.sel_tokens:
-            self._release(token)
-        live.sel_tokens = []
 
     def _release_ws(self, live: _Live) -> None:
+        """The block's backward is done: its working set and kept outputs are gone."""
         if live.ws_token is not None:
             token, live.ws_token = live.ws_token, None
             self._release(token)
-
-    def _release_all(self, live: _Live) -> None:
-        self._release_ws(live)
         for token in live.sel_tokens:
             self._release(token)
         live.sel_tokens = []
+
+    def _release_all(self, live: _Live) -> None:
+        self._release_ws(live)
 
 
 class _Recompute:

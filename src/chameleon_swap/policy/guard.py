@@ -47,7 +47,9 @@ class GuardPolicy:
     def make_room(self, rec: Record) -> None:
         ex = self.ex
         self._largest = max(self._largest, rec.nbytes)
-        target = ex.budget - rec.nbytes
+        # Room is also kept for the recomputes still to come (their working sets are held in
+        # backward, where nothing can be copied out in time).
+        target = ex.budget - ex.recompute_reserve - rec.nbytes
         if ex.resident_bytes <= target:
             return
         self._offload_down_to(target, include_small=True)
@@ -62,7 +64,8 @@ class GuardPolicy:
             return
         (self._small if rec.small else self._large).append(rec)
         headroom = min(self._largest, self.ex.budget // 2)
-        self._offload_down_to(self.ex.budget - headroom, include_small=False)
+        self._offload_down_to(self.ex.budget - self.ex.recompute_reserve - headroom,
+                              include_small=False)
 
     def _offload_down_to(self, target: int, *, include_small: bool) -> None:
         """Start copy-outs, earliest saved first, until the bytes that stay resident once the
@@ -97,7 +100,7 @@ class GuardPolicy:
             self._back = sorted((r for r in list(ex.live) if r.state in (HOST, OFFLOADING)),
                                 key=lambda r: r.index)
             self._back_moves = ex.moves
-        room = ex.budget - ex.resident_bytes - ex.prefetch_reserve
+        room = ex.budget - ex.resident_bytes - ex.recompute_reserve
         back = self._back
         while back:
             rec = back[-1]

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
-from ..hybrid import Block, HybridPlan, plan_hybrid
+from ..hybrid import Block, HybridPlan, plan_hybrid, working_set
 from ..sequence import size_class
 from ..timeline import Profile, Span
 
@@ -103,7 +103,7 @@ class BlockModes:
             if view is None or b not in view.block_ids:
                 return 0
             blk = view.blocks[view.block_ids.index(b)]
-            ws = sum(sp.nbytes for sp in view.profile.spans[blk.first_span:blk.end_span])
+            ws = working_set(view.profile, blk)
             return int(ws * self.input_bytes / max(1, view.input_bytes))
         return int(p.working_set[b] * self.input_bytes / max(1, p.input_bytes))
 
@@ -161,7 +161,7 @@ class BlockModes:
             return
         blk = view.blocks[view.block_ids.index(b)]
         scale = self.input_bytes / max(1, view.input_bytes)
-        kept = sum(sp.nbytes for sp in view.profile.spans[blk.first_span:blk.end_span]) * scale
+        kept = working_set(view.profile, blk) * scale
         fwd = blk.forward_seconds * scale
         if kept <= 0 or fwd <= 0:
             return
@@ -188,13 +188,15 @@ class BlockModes:
                                    view.input_bytes, self.budget, measured, hp)
         if (not self._probed and self._probe is None and self.sel_bytes_ratio is None
                 and "full" in hp.modes):
-            self._probe = next(b for b, m in modes.items() if m == "full")
+            # The last full block in forward order: its kept outputs are held the shortest
+            # (its backward comes first), and then only as part of its working set.
+            self._probe = max(b for b, m in modes.items() if m == "full")
         self.planner_seconds += time.perf_counter() - t0
 
     def _with_selective(self, prof: Profile, blk: Block) -> Block:
         if self.sel_bytes_ratio is None:
             return blk
-        kept = sum(sp.nbytes for sp in prof.spans[blk.first_span:blk.end_span])
+        kept = working_set(prof, blk)
         return replace(blk, selective_bytes=int(kept * self.sel_bytes_ratio),
                        selective_seconds=blk.forward_seconds * self.sel_seconds_ratio)
 

@@ -128,7 +128,7 @@ class ChameleonPolicy:
         # The guard underneath keeps room for one more tensor of the largest size seen, for the
         # records no plan covers: it must see every save, not only those that find no room.
         g._largest = max(g._largest, rec.nbytes)
-        target = ex.budget - rec.nbytes
+        target = ex.budget - ex.recompute_reserve - rec.nbytes
         if ex.resident_bytes <= target:
             return
         g._offload_down_to(target, include_small=True)       # unplanned records first
@@ -200,7 +200,7 @@ class ChameleonPolicy:
         ex = self.ex
         pending = self._pending + list(spans)
         self._pending = []
-        room = ex.budget - ex.resident_bytes - ex.prefetch_reserve
+        room = ex.budget - ex.resident_bytes - ex.recompute_reserve
         for j in pending:
             rec = self._rec_of.get(j)
             if rec is None or rec.used or rec.failed:
@@ -270,13 +270,13 @@ class ChameleonPolicy:
     def block_mode(self, b: int, input_bytes: int) -> str:
         """The mode block ``b`` runs in now (asked by the recompute runner at its start)."""
         mode = self.modes.mode(b, input_bytes)
-        self.ex.prefetch_reserve = self.modes.ahead()
+        self.ex.recompute_reserve = self.modes.ahead()
         return mode
 
     def working_set(self, b: int) -> int:
         """Bytes to hold while block ``b``'s recompute and backward run (asked as it begins)."""
         ws = self.modes.working_set(b)
-        self.ex.prefetch_reserve = self.modes.ahead()
+        self.ex.recompute_reserve = self.modes.ahead()
         return ws
 
     def _fits(self, profile) -> bool:
