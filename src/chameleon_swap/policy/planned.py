@@ -65,7 +65,9 @@ class ChameleonPolicy:
         self.overrides = 0                  # planned-resident records the guard had to move
 
     def wants_detail(self) -> bool:
-        return self._want_detail
+        # Timings serve the planner only, which never runs without a budget: with none, every
+        # step is lightweight (the first step with a budget is then the timed one).
+        return self._want_detail and self.ex.budget is not None
 
     def begin_step(self) -> None:
         self.guard.begin_step()
@@ -311,7 +313,7 @@ class StaticPolicy(ChameleonPolicy):
         self._want_detail = False
 
     def wants_detail(self) -> bool:
-        return self.frozen is None and self.step_no >= self.WARMUP_STEPS
+        return self.frozen is None and self.step_no >= self.WARMUP_STEPS and self.ex.budget is not None
 
     def begin_step(self) -> None:
         self.guard.begin_step()
