@@ -278,7 +278,8 @@ class Chameleon:
             profile = self._profiler.finish(step_seconds)
             changed = False
             if profile.ids:        # a step that saved nothing (eval under no_grad) changes nothing
-                if self._prev_ids is not None:
+                # The same sequence again (the common case) needs no histogram comparison.
+                if self._prev_ids is not None and self._prev_ids != profile.ids:
                     changed = similarity(self._prev_ids, profile.ids).changed(
                         self.config.length_tolerance, self.config.min_similarity)
                 self._prev_ids = profile.ids
@@ -326,18 +327,20 @@ class Chameleon:
 
     # ------------------------------------------------------------------ module hooks
     def _module_pre(self, module: torch.nn.Module, args) -> None:
-        if not self._in_step or _compiling():
+        if not self._in_step or _is_compiling():
             return
         self._ex.protect_buffers(module)
         self._module_starts.append(self._ex.next_index)
         self._profiler.module_enter(module)
 
     def _module_post(self, module: torch.nn.Module, args, output) -> None:
-        if not self._in_step or _compiling():
+        if not self._in_step or _is_compiling():
             return
         self._profiler.module_exit(module)
         start = self._module_starts.pop() if self._module_starts else 0
-        if self._ex.next_index == start or not torch.is_grad_enabled():
+        # With no budget nothing comes back in backward, so no trigger is needed: a tensor hook
+        # costs about as much as a pack, registered here and called again in backward.
+        if self._ex.budget is None or self._ex.next_index == start or not torch.is_grad_enabled():
             return
         t = _first_grad_output(output)
         if t is not None:
@@ -368,12 +371,14 @@ def _eager(fn):
 
 
 def _weak_hook(method):
-    ref = weakref.WeakMethod(method)
+    # A weak reference to the object and the plain function: cheaper per call than a
+    # WeakMethod, which builds a new bound method every time (these run on every module call).
+    ref, fn = weakref.ref(method.__self__), method.__func__
 
     def hook(*args):
-        m = ref()
-        if m is not None:
-            return m(*args)
+        obj = ref()
+        if obj is not None:
+            return fn(obj, *args)
     return _eager(hook)
 
 
@@ -382,12 +387,8 @@ def _remove_hooks(hooks) -> None:
         h.remove()
 
 
-def _compiling() -> bool:
-    """Inside torch.compile's tracing the hooks step aside (no graph breaks): the compiled
-    region's saved tensors still go through the pack/unpack hooks, which run eagerly."""
-    return _is_compiling()
-
-
+# Inside torch.compile's tracing the module hooks step aside (no graph breaks): the compiled
+# region's saved tensors still go through the pack/unpack hooks, which run eagerly.
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
 
 
