@@ -32,8 +32,11 @@ log = logging.getLogger("chameleon_swap")
 
 @dataclasses.dataclass
 class StepStats:
-    """What one ``eng.step()`` did. Bytes are bytes; seconds are wall-clock on CPU and include
-    the device's work on CUDA (the step ends with a synchronization)."""
+    """What one ``eng.step()`` did. Bytes are bytes; seconds are wall-clock. On CUDA a step with
+    a budget, or a timed (detailed) one, ends with a synchronization, so its ``step_seconds``
+    include the device's work (the planner scales its slot estimates by it); a step with no
+    budget needs no figure from the device and does not stall the host: its ``step_seconds``
+    are the host's time only, and the device may still be running its tail."""
 
     step: int
     budget_bytes: Optional[int]        # this step's activation budget (None: unlimited)
@@ -266,8 +269,9 @@ class Chameleon:
         try:
             counters = self._ex.end_step(failed)
             peak_device = None
+            if self._end_needs_sync(budget):
+                self._sync_device()
             if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
                 if self.config.device_memory_limit_bytes is not None:
                     peak_device = torch.cuda.max_memory_allocated(self.device)
                     transient = peak_device - self._allocated_at_start - counters.peak_resident_bytes
@@ -312,6 +316,17 @@ class Chameleon:
                               "pass device= to manage them", RuntimeWarning, stacklevel=4)
         finally:
             self._in_step = False
+
+    def _end_needs_sync(self, budget: Optional[int]) -> bool:
+        """Whether the step's end must wait for the device. Its event timings (a detailed
+        profile, a trace) and the device-inclusive step time the planner scales its estimates by
+        are needed at once; with no budget nothing plans, nothing moved and nothing was timed, so
+        the host goes on while the device finishes the step."""
+        return budget is not None or self._profiler.detailed
+
+    def _sync_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _write_trace(self, profile, stats: StepStats) -> None:
         from .sim.trace import write_step

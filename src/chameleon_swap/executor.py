@@ -212,7 +212,8 @@ class Executor:
             self.in_step = False
             if failed:
                 self.release_all("its step ended with an exception")
-            self.copy.synchronize()
+            if self.budget is not None:      # with none, the copy engine was never used
+                self.copy.synchronize()
             self._protected = weakref.WeakSet()
             self._any_protected = False
             return self.stats
@@ -250,7 +251,8 @@ class Executor:
                 self.stats.skipped_bytes += t.untyped_storage().nbytes()
                 self.profiler.on_save(t, False)
                 return Handle(self, None, t)
-            self.copy.poll()
+            if self.budget is not None:      # with none, no copy is ever in flight to poll
+                self.copy.poll()
             storage = t.untyped_storage()
             rec = self._records.get(storage)
             if rec is not None and rec.state != RELEASED:
@@ -410,7 +412,8 @@ class Executor:
         with self.lock:
             if rec.failed:
                 raise RuntimeError(f"chameleon-swap: {rec.failed}")
-            self.copy.poll()
+            if self.budget is not None:
+                self.copy.poll()
             now = h.current_version()
             if now is not None and now != h.version:
                 raise _version_error(h, now)

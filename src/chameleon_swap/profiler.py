@@ -7,7 +7,7 @@ to earlier steps, fuzzy matching, and a plan from estimated slot times.
 
 Detailed mode adds a timestamp at every save and every first use: ``time.perf_counter`` on the
 CPU, CUDA events on the compute stream otherwise (read at step end, after the engine's end-of-step
-synchronization, so nothing inside the step waits for the device).
+synchronization, which a timed step always has, so nothing inside the step waits for the device).
 
 A *slot* is the compute between two timestamps (see ``timeline``): forward slot ``i`` ends with the
 save of record ``i``; slot ``n_forward`` runs from the last save to the first use in backward; then
@@ -75,9 +75,13 @@ class _CudaClock:
         return ev
 
     def seconds(self, marks: list) -> list[float]:
-        # Called after the step's final synchronization: every event has completed.
+        # A timed step ends with a synchronization, but the end mark is recorded after it, and a
+        # mark may sit on another stream than the last one: wait for each (all but the end mark
+        # have completed already, so this is a query each) before reading times.
         if not marks:
             return []
+        for m in marks:
+            m.synchronize()
         first = marks[0]
         return [first.elapsed_time(m) / 1e3 for m in marks]
 
@@ -119,7 +123,7 @@ class Profiler:
         n_slots = n + 1 + n_used
         use_slot = [n + 1 + rank[i] if i in rank else n_slots for i in range(n)]
         if self.detailed and n:
-            self._marks.append(self._clock.mark())   # end of the step (already synchronized)
+            self._marks.append(self._clock.mark())   # end of the step
             times = self._clock.seconds(self._marks[:1 + n] + self._use_marks + self._marks[-1:])
             compute = [max(0.0, b - a) for a, b in zip(times, times[1:])]
         else:
