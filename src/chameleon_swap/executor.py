@@ -116,7 +116,10 @@ class Handle:
 
     def current_version(self) -> Optional[int]:
         """The saved tensor's version now, from whatever still shares its version counter."""
-        for t in (self.tensor, self.witness, self.tref(),
+        t = self.tensor
+        if t is not None:                 # the common case: no weak reference to follow
+            return t._version
+        for t in (self.witness, self.tref(),
                   self.bref() if self.bref is not None else None):
             if t is not None:
                 return t._version
@@ -235,7 +238,9 @@ class Executor:
         """Parameters, user leaves that require grad, buffers and views of any of these: they stay
         on the device whatever we do, so moving them would cost bandwidth and free nothing."""
         base = t if t._base is None else t._base
-        if isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad):
+        # Parameters are leaves: testing is_leaf first spares activations the Python-level
+        # isinstance check of Parameter's metaclass.
+        if base.is_leaf and (base.requires_grad or isinstance(base, torch.nn.Parameter)):
             return True
         return self._any_protected and t.untyped_storage() in self._protected
 
@@ -275,7 +280,8 @@ class Executor:
             self._records[storage] = rec
             self.live.add(rec)
             h = Handle(self, rec, t)
-            self._attach(rec, h)
+            rec.handles.append(weakref.ref(h))    # _attach, for a record known to be resident
+            rec.live = 1
             if budgeted and nbytes > 0:
                 self.policy.make_room(rec)
                 if self.resident_bytes + nbytes > self.budget:
@@ -419,10 +425,14 @@ class Executor:
                 raise _version_error(h, now)
             if h.dirty is not None:
                 raise _version_error(h, h.dirty)
+            budgeted = self.budget is not None
             if not rec.used:
                 rec.used = True
                 self.profiler.on_first_use(rec.index)
-                self.policy.on_first_use(rec)
+                if budgeted:
+                    self.policy.on_first_use(rec)
+            if not budgeted and h.tensor is not None:
+                return h.tensor          # nothing moves without a budget: nothing to bring back
             if rec.state == OFFLOADING:
                 if not rec.keep_on_device:
                     self.stats.kept_bytes += rec.nbytes

@@ -55,6 +55,8 @@ class StepProfile:
 
 _DTYPE_NAMES: dict = {}
 _new_key = TensorKey._make      # from one tuple: half the cost of TensorKey(...) per save
+_SIZE_CLASSES: dict = {}        # nbytes -> size_class(nbytes): a dict lookup per save, not a call
+_SIZE_CLASSES_MAX = 4096        # bounded: byte counts vary with every sequence length
 
 
 class _CpuClock:
@@ -89,7 +91,11 @@ class _CudaClock:
 class Profiler:
     def __init__(self, device: torch.device) -> None:
         self.vocab = EventVocab()
-        self._uids: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        # Module -> uid, keyed by a plain weak reference (a WeakKeyDictionary's get is Python
+        # code on every module call). A dead module's entry can never match again (dead
+        # references compare by identity); uids come from a counter, so none is reused.
+        self._uids: dict = {}
+        self._next_uid = 0
         self._clock = _CudaClock(device) if device.type == "cuda" else _CpuClock()
         self.detailed = False
         self.last_profile: Optional[StepProfile] = None
@@ -151,9 +157,11 @@ class Profiler:
     # ------------------------------------------------------------------ events
     def module_enter(self, module: torch.nn.Module) -> None:
         t = time.perf_counter()
-        uid = self._uids.get(module)
+        key = weakref.ref(module)
+        uid = self._uids.get(key)
         if uid is None:
-            uid = self._uids[module] = len(self._uids)
+            uid = self._uids[key] = self._next_uid
+            self._next_uid += 1
         call = self._calls.get(uid, 0)
         self._stack.append([uid, call, 0])
         if torch.is_grad_enabled():       # calls under no_grad save nothing: not in the sequence
@@ -176,10 +184,16 @@ class Profiler:
             frame[2] += 1
         else:
             uid, call, ordinal = -1, 0, len(self.ids)
-        dtype = _DTYPE_NAMES.get(t.dtype) or _DTYPE_NAMES.setdefault(t.dtype, str(t.dtype))
+        dt = t.dtype
+        dtype = _DTYPE_NAMES.get(dt) or _DTYPE_NAMES.setdefault(dt, str(dt))
         if nbytes is None:
             nbytes = t.untyped_storage().nbytes()
-        self.ids.append(self.vocab.id(("s", uid, call, ordinal, dtype, size_class(nbytes), new_record)))
+        cls = _SIZE_CLASSES.get(nbytes)
+        if cls is None:
+            cls = size_class(nbytes)
+            if len(_SIZE_CLASSES) < _SIZE_CLASSES_MAX:
+                _SIZE_CLASSES[nbytes] = cls
+        self.ids.append(self.vocab.id(("s", uid, call, ordinal, dtype, cls, new_record)))
         key = None
         if new_record:
             key = _new_key((uid, call, ordinal, dtype, tuple(t.shape)))
