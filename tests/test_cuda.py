@@ -29,7 +29,6 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 import warnings
 from pathlib import Path
 
@@ -42,6 +41,7 @@ from chameleon_swap.config import POLICIES
 from chameleon_swap.copy.bandwidth import cached_bandwidth
 from chameleon_swap.workloads import Llama, LlamaConfig, MoE, MoEConfig
 
+from _csan_scripts import CSAN_RACE, CSAN_SCENARIO
 from _helpers import assert_bitwise, compare, grads, natural_peak, train_step
 from _models import ViewsModel, randn
 
@@ -487,47 +487,6 @@ def test_stall_seconds_with_late_copies(math_attention):
 
 
 # --------------------------------------------------------------------------- the CUDA sanitizer
-_CSAN_SCENARIO = textwrap.dedent("""
-    import sys
-    import torch
-    import torch.cuda._sanitizer as csan
-    assert csan.cuda_sanitizer.enabled, "TORCH_CUDA_SANITIZER=1 did not enable the sanitizer"
-
-    from chameleon_swap.config import POLICIES
-from chameleon_swap.copy.bandwidth import cached_bandwidth
-    from chameleon_swap.workloads import Llama, LlamaConfig
-    from _helpers import compare
-    from _models import ViewsModel, randn
-
-    def tokens(cfg, B, T, seed):
-        g = torch.Generator().manual_seed(seed)
-        t = torch.randint(cfg.vocab_size, (B, T + 1), generator=g)
-        return t[:, :-1].cuda(), t[:, 1:].cuda()
-
-    torch.manual_seed(0)
-    llama = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                              max_seq_len=64)).cuda()
-    lm = [tokens(llama.config, 2, T, i) for i, T in enumerate([12, 20, 12])]
-    views = ViewsModel().cuda()
-    dense = [(randn(2, T, 16, seed=i).cuda(),) for i, T in enumerate([6, 11, 6])]
-    for policy in POLICIES:
-        for fraction in (0.5, 0.2, 0.0):
-            compare(llama, lm, fraction, device="cuda", policy=policy)
-            compare(views, dense, fraction, device="cuda", policy=policy)
-    torch.cuda.synchronize()
-    print("CSAN-SCENARIO-OK", flush=True)
-""")
-
-_CSAN_RACE = textwrap.dedent("""
-    import torch
-    a = torch.rand(10000, device="cuda")          # written on the default stream
-    with torch.cuda.stream(torch.cuda.Stream()):
-        torch.mul(a, 5, out=a)                    # and on another, with no ordering between them
-    torch.cuda.synchronize()
-    print("RACE-NOT-REPORTED", flush=True)
-""")
-
-
 def _run_sanitized(script: str) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["TORCH_CUDA_SANITIZER"] = "1"
@@ -539,14 +498,14 @@ def _run_sanitized(script: str) -> subprocess.CompletedProcess:
 
 def test_sanitizer_catches_a_race_in_this_harness():
     """Control: the harness below would see a race (the sanitizer is on and reports to stderr)."""
-    proc = _run_sanitized(_CSAN_RACE)
+    proc = _run_sanitized(CSAN_RACE)
     assert proc.returncode != 0, proc.stdout + proc.stderr
     assert "CSAN detected a possible data race" in proc.stderr, proc.stderr[-4000:]
     assert "RACE-NOT-REPORTED" not in proc.stdout
 
 
 def test_bitwise_scenario_under_the_cuda_sanitizer():
-    proc = _run_sanitized(_CSAN_SCENARIO)
+    proc = _run_sanitized(CSAN_SCENARIO)
     report = f"rc={proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-8000:]}"
     assert "CSAN" not in proc.stderr, report
     assert "data race" not in proc.stderr, report

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import weakref
+from collections import Counter
 
 import pytest
 import torch
@@ -157,6 +158,94 @@ def test_budget_none_moves_nothing():
     assert s.host_peak_bytes == 0
     assert s.peak_resident_bytes == s.saved_bytes > 0
     assert_bitwise(train_step(ref, batch), grads(ref), loss, grads(model))
+
+
+COPY_METHODS = ("record_ready", "offload", "fetch", "wait", "wait_host", "defer", "poll")
+
+
+def spy_copy_engine(eng, monkeypatch) -> Counter:
+    """Count every call the step makes into the engine's copy engine, by method."""
+    calls = Counter()
+    for name in COPY_METHODS:
+        def spy(*args, _real=getattr(eng._copy, name), _name=name, **kw):
+            calls[_name] += 1
+            return _real(*args, **kw)
+        monkeypatch.setattr(eng._copy, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_budget_none_takes_no_ready_marker_and_makes_no_copy_call_per_save(policy, monkeypatch):
+    """With no budget nothing can move: no "bytes are final" marker per save (a CUDA event and a
+    stream lookup each), no poll per pack or unpack, no backward trigger per module; the
+    gradients are still bit for bit, and so are the accounting figures."""
+    model, ref = llama(), llama()
+    batches = lm_batches(model, [12, 20, 12])
+    with engine(None, policy=policy) as eng:
+        calls = spy_copy_engine(eng, monkeypatch)
+        triggers = Counter()
+        real_trigger = eng._ex.backward_trigger
+        monkeypatch.setattr(eng._ex, "backward_trigger",
+                            lambda grad=None: triggers.update(["trigger"]) or real_trigger(grad))
+        for b in batches:
+            model.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+            loss = train_step(model, b, eng)
+            assert_bitwise(train_step(ref, b), grads(ref), loss, grads(model))
+            s = eng.last_step
+            assert s.saved_bytes > 0 and s.peak_resident_bytes == s.saved_bytes
+            assert s.offloaded_bytes == s.prefetched_bytes == s.fetched_bytes == 0
+        assert sum(calls.values()) == 0, dict(calls)      # (close() below synchronizes it)
+        assert not triggers
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_with_a_budget_every_record_gets_its_marker_at_save(policy, monkeypatch):
+    """The same model under a budget it never reaches: one marker per record, taken at save
+    (on CUDA the copy stream must wait on an event recorded then, whichever stream ran)."""
+    model = llama()
+    b = lm_batches(model, [12])[0]
+    with engine(10**12, policy=policy) as eng:
+        calls = spy_copy_engine(eng, monkeypatch)
+        train_step(model, b, eng)
+        n_records = len(eng._profiler.last_profile.keys)
+    assert n_records > 0 and calls["record_ready"] == n_records
+    assert calls["offload"] == calls["fetch"] == 0
+
+
+def test_a_record_saved_with_no_budget_refuses_to_move():
+    """Such a record has no ready marker; moving it could copy bytes not yet written on CUDA, so
+    the executor refuses (no policy asks: they move only records of a step with a budget)."""
+    with engine(None) as eng:
+        x = torch.randn(4, 8, requires_grad=True)
+        with eng.step():
+            y = (x * 2).tanh()
+            rec = next(iter(eng._ex.live))
+            with pytest.raises(RuntimeError, match="no budget"):
+                eng._ex.offload(rec)
+            y.sum().backward()
+    x_ref = x.detach().clone().requires_grad_(True)
+    (x_ref * 2).tanh().sum().backward()
+    assert torch.equal(x.grad, x_ref.grad)                 # the refusal changed nothing
+
+
+@pytest.mark.parametrize("budget, trace, synced", [(None, False, False), (10**12, False, True),
+                                                   (0, False, True), (None, True, True)])
+def test_the_step_end_waits_for_the_device_only_when_a_figure_needs_it(
+        budget, trace, synced, tmp_path, monkeypatch):
+    """On CUDA the end of a step synchronizes for a budget (the planner scales its estimates by
+    the device-inclusive step time; stalls are read from events) or a timed step (its event
+    times); with no budget the host goes on. The decision is the same code on every device."""
+    model = llama()
+    b = lm_batches(model, [12])[0]
+    with engine(budget, trace_dir=tmp_path if trace else None) as eng:
+        syncs = []
+        monkeypatch.setattr(eng, "_sync_device", lambda: syncs.append(eng._profiler.detailed))
+        for _ in range(3):
+            train_step(model, b, eng)
+    assert len(syncs) == (3 if synced else 0)
+    if trace:
+        assert all(syncs)                      # traced steps are timed: the reason to wait
 
 
 # --------------------------------------------------------------------------- independent residency

@@ -124,3 +124,23 @@ def test_keys_are_stable_across_iterations_and_tolerate_lengths():
     assert k1 == k2
     assert [k.exact for k in k3] == [k.exact for k in k1]
     assert any(a.shape != b.shape for a, b in zip(k1, k3))
+
+
+@pytest.mark.parametrize("policy", ["chameleon", "static", "guard"])
+def test_no_budget_never_times_a_step(policy):
+    """Timings serve the planner, which never runs without a budget: every step is lightweight
+    (on CUDA a timed step records an event per save and first use)."""
+    model = llama()
+    with cs.Chameleon(None, device="cpu", policy=policy) as eng:
+        modes = [run(eng, model, batch(2, T, i)).profile_mode for i, T in enumerate([16, 16, 24, 16])]
+    assert modes == ["lightweight"] * 4
+
+
+def test_the_first_step_with_a_budget_is_timed_and_a_traced_one_always(tmp_path):
+    model = llama()
+    with cs.Chameleon(10**12, device="cpu") as eng:
+        modes = [run(eng, model, batch(2, 16, i)).profile_mode for i in range(3)]
+    assert modes[0] == "detailed" and modes[-1] == "lightweight"
+    with cs.Chameleon(None, device="cpu", trace_dir=tmp_path) as eng:
+        modes = [run(eng, model, batch(2, 16, i)).profile_mode for i in range(2)]
+    assert modes == ["detailed"] * 2

@@ -33,8 +33,11 @@ log = logging.getLogger("chameleon_swap")
 
 @dataclasses.dataclass
 class StepStats:
-    """What one ``eng.step()`` did. Bytes are bytes; seconds are wall-clock on CPU and include
-    the device's work on CUDA (the step ends with a synchronization)."""
+    """What one ``eng.step()`` did. Bytes are bytes; seconds are wall-clock. On CUDA a step with
+    a budget, or a timed (detailed) one, ends with a synchronization, so its ``step_seconds``
+    include the device's work (the planner scales its slot estimates by it); a step with no
+    budget needs no figure from the device and does not stall the host: its ``step_seconds``
+    are the host's time only, and the device may still be running its tail."""
 
     step: int
     budget_bytes: Optional[int]        # this step's activation budget (None: unlimited)
@@ -269,7 +272,7 @@ class Chameleon:
         if model is None:
             return None
         from .recompute import BlockRunner, find_blocks
-        if not hasattr(self._policy, "block_mode"):
+        if not getattr(self._policy, "recomputes", False):
             find_blocks(model, blocks)
             return None
         policy = self._policy
@@ -372,17 +375,18 @@ class Chameleon:
         try:
             counters = self._ex.end_step(failed)
             memory = {}
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
-                if self._memory is not None:
-                    memory = self._end_memory_step(counters, failed, oom)
+            if self._end_needs_sync(budget):
+                self._sync_device()
+            if self.device.type == "cuda" and self._memory is not None:
+                memory = self._end_memory_step(counters, failed, oom)
             calls = self._runner.end_step(failed) if self._runner is not None else []
             step_seconds = time.perf_counter() - t0
             profile = self._profiler.finish(step_seconds)
             profile.blocks = calls
             changed = False
             if profile.ids:        # a step that saved nothing (eval under no_grad) changes nothing
-                if self._prev_ids is not None:
+                # The same sequence again (the common case) needs no histogram comparison.
+                if self._prev_ids is not None and self._prev_ids != profile.ids:
                     changed = similarity(self._prev_ids, profile.ids).changed(
                         self.config.length_tolerance, self.config.min_similarity)
                 self._prev_ids = profile.ids
@@ -418,6 +422,17 @@ class Chameleon:
         finally:
             self._in_step = False
 
+    def _end_needs_sync(self, budget: Optional[int]) -> bool:
+        """Whether the step's end must wait for the device. Its event timings (a detailed
+        profile, a trace) and the device-inclusive step time the planner scales its estimates by
+        are needed at once; with no budget nothing plans, nothing moved and nothing was timed, so
+        the host goes on while the device finishes the step."""
+        return budget is not None or self._profiler.detailed
+
+    def _sync_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
     def _write_trace(self, profile, stats: StepStats) -> None:
         from .sim.trace import write_step
         measured = {k: getattr(stats, k) for k in (
@@ -438,7 +453,7 @@ class Chameleon:
         return self._runner is not None and self._runner.recomputing
 
     def _module_pre(self, module: torch.nn.Module, args) -> None:
-        if not self._in_step or _compiling() or self._recomputing():
+        if not self._in_step or _is_compiling() or self._recomputing():
             return
         self._ex.protect_buffers(module)
         self._module_starts.append(self._ex.next_index)
@@ -449,11 +464,13 @@ class Chameleon:
         self._profiler.module_enter(module)
 
     def _module_post(self, module: torch.nn.Module, args, output) -> None:
-        if not self._in_step or _compiling() or self._recomputing():
+        if not self._in_step or _is_compiling() or self._recomputing():
             return
         self._profiler.module_exit(module)
         start = self._module_starts.pop() if self._module_starts else 0
-        if self._ex.next_index == start or not torch.is_grad_enabled():
+        # With no budget nothing comes back in backward, so no trigger is needed: a tensor hook
+        # costs about as much as a pack, registered here and called again in backward.
+        if self._ex.budget is None or self._ex.next_index == start or not torch.is_grad_enabled():
             return
         t = _first_grad_output(output)
         if t is not None:
@@ -501,12 +518,14 @@ def _eager(fn):
 
 
 def _weak_hook(method):
-    ref = weakref.WeakMethod(method)
+    # A weak reference to the object and the plain function: cheaper per call than a
+    # WeakMethod, which builds a new bound method every time (these run on every module call).
+    ref, fn = weakref.ref(method.__self__), method.__func__
 
     def hook(*args):
-        m = ref()
-        if m is not None:
-            return m(*args)
+        obj = ref()
+        if obj is not None:
+            return fn(obj, *args)
     return _eager(hook)
 
 
@@ -515,12 +534,8 @@ def _remove_hooks(hooks) -> None:
         h.remove()
 
 
-def _compiling() -> bool:
-    """Inside torch.compile's tracing the hooks step aside (no graph breaks): the compiled
-    region's saved tensors still go through the pack/unpack hooks, which run eagerly."""
-    return _is_compiling()
-
-
+# Inside torch.compile's tracing the module hooks step aside (no graph breaks): the compiled
+# region's saved tensors still go through the pack/unpack hooks, which run eagerly.
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
 _OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
 

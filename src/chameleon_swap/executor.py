@@ -33,6 +33,9 @@ FETCHING = "fetching"      # on host, copy back in flight (counted)
 RESTORED = "restored"      # on device and host, both valid (counted)
 RELEASED = "released"
 
+# A record's ``ready`` when it was saved with no budget: no marker was taken, so it must not move.
+UNMARKED = "unmarked"
+
 
 class Record:
     __slots__ = ("index", "nbytes", "small", "state", "device", "host", "ready", "out_ticket",
@@ -45,9 +48,11 @@ class Record:
         self.nbytes = nbytes
         self.small = small            # under min_tensor_bytes: moved only if the budget demands
         self.state = RESIDENT
-        self.device = device          # uint8 tensor over the whole device storage, or None
+        self.device = device          # uint8 tensor over the whole device storage once it
+                                      # moved (None before: the handles hold the storage)
         self.host: Optional[HostBuffer] = None
-        self.ready = ready            # copy engine's "bytes are final" marker from save time
+        self.ready = ready            # copy engine's "bytes are final" marker from save time,
+                                      # UNMARKED when saved with no budget
         self.out_ticket = None
         self.in_ticket = None
         self.handles: list = []       # weak references to this record's Handles
@@ -77,16 +82,28 @@ class Handle:
         # its base (a temporary view such as ``w.t()`` dies at once, while the base it shares a
         # version counter with is what user code modifies in place).
         self.tref = weakref.ref(t)
-        self.bref = weakref.ref(t._base) if t._base is not None else None
+        base = t._base
+        self.bref = weakref.ref(base) if base is not None else None
         self.witness: Optional[torch.Tensor] = None   # see _make_witness
+        self.version = t._version
+        self.dirty: Optional[int] = None          # version seen when found modified in place
+        # size, stride, offset, dtype, conj, neg: taken by keep_geometry() when the alias is
+        # dropped; most saved tensors never leave the device and never need them.
+
+    def keep_geometry(self) -> None:
+        """Before the device alias goes: what ``rebuild`` needs to make the view again (the
+        alias has the saved tensor's size, stride, offset, dtype and conj/neg bits)."""
+        t = self.tensor
         self.size = t.size()
         self.stride = t.stride()
         self.offset = t.storage_offset()
         self.dtype = t.dtype
-        self.version = t._version
         self.conj = t.is_conj()
         self.neg = t.is_neg()
-        self.dirty: Optional[int] = None          # version seen when found modified in place
+
+    def describe(self) -> str:
+        t = self.tensor
+        return f"[{t.dtype} {list(t.size())}]" if t is not None else f"[{self.dtype} {list(self.size)}]"
 
     def rebuild(self, device: torch.Tensor) -> torch.Tensor:
         v = torch.empty(0, dtype=self.dtype, device=device.device).set_(
@@ -99,7 +116,10 @@ class Handle:
 
     def current_version(self) -> Optional[int]:
         """The saved tensor's version now, from whatever still shares its version counter."""
-        for t in (self.tensor, self.witness, self.tref(),
+        t = self.tensor
+        if t is not None:                 # the common case: no weak reference to follow
+            return t._version
+        for t in (self.witness, self.tref(),
                   self.bref() if self.bref is not None else None):
             if t is not None:
                 return t._version
@@ -163,7 +183,7 @@ def _make_witness(alias: torch.Tensor) -> Optional[torch.Tensor]:
 def _version_error(h: Handle, now: int) -> RuntimeError:
     return RuntimeError(
         "one of the variables needed for gradient computation has been modified by an inplace "
-        f"operation: [{h.dtype} {list(h.size)}] is at version {now}; expected version "
+        f"operation: {h.describe()} is at version {now}; expected version "
         f"{h.version} instead. (Detected by chameleon-swap, which checks the version that autograd "
         "cannot check for hooked saved tensors.)")
 
@@ -181,6 +201,7 @@ class Executor:
         self.lock = threading.RLock()
         self._records: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._protected: "weakref.WeakSet" = weakref.WeakSet()   # buffer storages seen this step
+        self._any_protected = False
         self.live: set[Record] = set()           # records with live handles (any step)
         self.resident_bytes = 0
         self.inflight_out_bytes = 0              # counted bytes whose copy-out is in flight
@@ -207,8 +228,10 @@ class Executor:
             self.in_step = False
             if failed:
                 self.release_all("its step ended with an exception")
-            self.copy.synchronize()
+            if self.budget is not None:      # with none, the copy engine was never used
+                self.copy.synchronize()
             self._protected = weakref.WeakSet()
+            self._any_protected = False
             return self.stats
 
     def release_all(self, why: str) -> None:
@@ -222,14 +245,17 @@ class Executor:
         for b in module._buffers.values():
             if b is not None:
                 self._protected.add(b.untyped_storage())
+                self._any_protected = True    # a flag: a WeakSet's len() is Python code
 
     def _is_state(self, t: torch.Tensor) -> bool:
         """Parameters, user leaves that require grad, buffers and views of any of these: they stay
         on the device whatever we do, so moving them would cost bandwidth and free nothing."""
         base = t if t._base is None else t._base
-        if isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad):
+        # Parameters are leaves: testing is_leaf first spares activations the Python-level
+        # isinstance check of Parameter's metaclass.
+        if base.is_leaf and (base.requires_grad or isinstance(base, torch.nn.Parameter)):
             return True
-        return len(self._protected) > 0 and t.untyped_storage() in self._protected
+        return self._any_protected and t.untyped_storage() in self._protected
 
     # ------------------------------------------------------------------ pack
     def pack(self, t: torch.Tensor):
@@ -243,7 +269,8 @@ class Executor:
                 self.stats.skipped_bytes += t.untyped_storage().nbytes()
                 self.profiler.on_save(t, False)
                 return Handle(self, None, t)
-            self.copy.poll()
+            if self.budget is not None:      # with none, no copy is ever in flight to poll
+                self.copy.poll()
             storage = t.untyped_storage()
             rec = self._records.get(storage)
             if rec is not None and rec.state != RELEASED:
@@ -252,17 +279,23 @@ class Executor:
                 self._attach(rec, h)
                 return h
             nbytes = storage.nbytes()
-            raw = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
-            rec = Record(self.next_index, nbytes, nbytes < self.min_tensor_bytes, raw,
-                         self.copy.record_ready())
+            budgeted = self.budget is not None
+            # With no budget nothing can move this step (policies move only records saved in the
+            # step under way), so no "bytes are final" marker is taken: on CUDA it is an event
+            # and a stream lookup per save. With a budget the marker is taken here, at save time,
+            # on the stream current now: a marker recorded later, at the copy, would not order
+            # the copy after a producer that ran on another stream (LESSONS 3).
+            rec = Record(self.next_index, nbytes, nbytes < self.min_tensor_bytes, None,
+                         self.copy.record_ready() if budgeted else UNMARKED)
             self.next_index += 1
-            rec.key = self.profiler.on_save(t, True)
+            rec.key = self.profiler.on_save(t, True, nbytes)
             self.stats.saved_bytes += nbytes
             self._records[storage] = rec
             self.live.add(rec)
             h = Handle(self, rec, t)
-            self._attach(rec, h)
-            if self.budget is not None and nbytes > 0:
+            rec.handles.append(weakref.ref(h))    # _attach, for a record known to be resident
+            rec.live = 1
+            if budgeted and nbytes > 0:
                 self.policy.make_room(rec)
                 if self.resident_bytes + nbytes > self.budget:
                     # The policy could not make room: keep the promise by copying it out now.
@@ -279,6 +312,7 @@ class Executor:
         rec.live += 1
         if rec.state != RESIDENT:
             # Saved again after its bytes left (the storage is alive elsewhere): use the copy.
+            h.keep_geometry()
             h.tensor = None
 
     def _count(self, rec: Record) -> None:
@@ -299,7 +333,11 @@ class Executor:
     def offload(self, rec: Record) -> None:
         """Start copying a resident record to host; it stays counted until the copy completes."""
         assert rec.state == RESIDENT, rec.state
+        if rec.ready is UNMARKED:
+            raise RuntimeError(f"chameleon-swap: internal error: record {rec.index} was saved in a "
+                               "step with no budget (no ready marker) and cannot be moved")
         self._check_versions(rec)
+        rec.device = self._device_bytes(rec)
         rec.host = self.pool.acquire(rec.nbytes)
         rec.out_ticket = self.copy.offload(rec.device, rec.host.view(rec.nbytes), rec.ready)
         rec.ready = None
@@ -312,12 +350,26 @@ class Executor:
         for ref in rec.handles:
             h = ref()
             if h is not None and h.tensor is not None:
+                h.keep_geometry()
                 keep.append((h, h.tensor))
                 h.witness = h.tensor      # versions stay visible while the copy is in flight
                 h.tensor = None
         self.stats.offloaded_bytes += rec.nbytes
         self.stats.offloaded_tensors += 1
         self.copy.defer(rec.out_ticket, lambda: self._offloaded(rec, keep))
+
+    @staticmethod
+    def _device_bytes(rec: Record) -> torch.Tensor:
+        """The record's whole device storage as one flat uint8 tensor, built at its first move
+        rather than at save: most records never move, and building it costs about as much as
+        the rest of a pack. A resident record's storage is held by its live handles."""
+        for ref in rec.handles:
+            h = ref()
+            if h is not None and h.tensor is not None:
+                return torch.empty(0, dtype=torch.uint8, device=h.tensor.device).set_(
+                    h.tensor.untyped_storage())
+        raise RuntimeError(f"chameleon-swap: internal error: resident record {rec.index} has no "
+                           "live handle on the device")
 
     def _offloaded(self, rec: Record, keep: list) -> None:
         if rec.state != OFFLOADING:
@@ -379,16 +431,21 @@ class Executor:
         with self.lock:
             if rec.failed:
                 raise RuntimeError(f"chameleon-swap: {rec.failed}")
-            self.copy.poll()
+            if self.budget is not None:
+                self.copy.poll()
             now = h.current_version()
             if now is not None and now != h.version:
                 raise _version_error(h, now)
             if h.dirty is not None:
                 raise _version_error(h, h.dirty)
+            budgeted = self.budget is not None
             if not rec.used:
                 rec.used = True
                 self.profiler.on_first_use(rec.index)
-                self.policy.on_first_use(rec)
+                if budgeted:
+                    self.policy.on_first_use(rec)
+            if not budgeted and h.tensor is not None:
+                return h.tensor          # nothing moves without a budget: nothing to bring back
             if rec.state == OFFLOADING:
                 if not rec.keep_on_device:
                     self.stats.kept_bytes += rec.nbytes

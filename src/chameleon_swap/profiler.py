@@ -7,7 +7,7 @@ to earlier steps, fuzzy matching, and a plan from estimated slot times.
 
 Detailed mode adds a timestamp at every save and every first use: ``time.perf_counter`` on the
 CPU, CUDA events on the compute stream otherwise (read at step end, after the engine's end-of-step
-synchronization, so nothing inside the step waits for the device).
+synchronization, which a timed step always has, so nothing inside the step waits for the device).
 
 A *slot* is the compute between two timestamps (see ``timeline``): forward slot ``i`` ends with the
 save of record ``i``; slot ``n_forward`` runs from the last save to the first use in backward; then
@@ -58,6 +58,9 @@ class StepProfile:
 
 
 _DTYPE_NAMES: dict = {}
+_new_key = TensorKey._make      # from one tuple: half the cost of TensorKey(...) per save
+_SIZE_CLASSES: dict = {}        # nbytes -> size_class(nbytes): a dict lookup per save, not a call
+_SIZE_CLASSES_MAX = 4096        # bounded: byte counts vary with every sequence length
 
 
 class _CpuClock:
@@ -78,9 +81,13 @@ class _CudaClock:
         return ev
 
     def seconds(self, marks: list) -> list[float]:
-        # Called after the step's final synchronization: every event has completed.
+        # A timed step ends with a synchronization, but the end mark is recorded after it, and a
+        # mark may sit on another stream than the last one: wait for each (all but the end mark
+        # have completed already, so this is a query each) before reading times.
         if not marks:
             return []
+        for m in marks:
+            m.synchronize()
         first = marks[0]
         return [first.elapsed_time(m) / 1e3 for m in marks]
 
@@ -88,7 +95,11 @@ class _CudaClock:
 class Profiler:
     def __init__(self, device: torch.device) -> None:
         self.vocab = EventVocab()
-        self._uids: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        # Module -> uid, keyed by a plain weak reference (a WeakKeyDictionary's get is Python
+        # code on every module call). A dead module's entry can never match again (dead
+        # references compare by identity); uids come from a counter, so none is reused.
+        self._uids: dict = {}
+        self._next_uid = 0
         self._clock = _CudaClock(device) if device.type == "cuda" else _CpuClock()
         self.detailed = False
         self.last_profile: Optional[StepProfile] = None
@@ -123,7 +134,7 @@ class Profiler:
         n_slots = n + 1 + n_used
         use_slot = [n + 1 + rank[i] if i in rank else n_slots for i in range(n)]
         if self.detailed and n:
-            self._marks.append(self._clock.mark())   # end of the step (already synchronized)
+            self._marks.append(self._clock.mark())   # end of the step
             times = self._clock.seconds(self._marks[:1 + n] + self._use_marks + self._marks[-1:])
             compute = [max(0.0, b - a) for a, b in zip(times, times[1:])]
         else:
@@ -152,9 +163,11 @@ class Profiler:
     # ------------------------------------------------------------------ events
     def module_enter(self, module: torch.nn.Module) -> None:
         t = time.perf_counter()
-        uid = self._uids.get(module)
+        key = weakref.ref(module)
+        uid = self._uids.get(key)
         if uid is None:
-            uid = self._uids[module] = len(self._uids)
+            uid = self._uids[key] = self._next_uid
+            self._next_uid += 1
         call = self._calls.get(uid, 0)
         self._stack.append([uid, call, 0])
         if torch.is_grad_enabled():       # calls under no_grad save nothing: not in the sequence
@@ -166,8 +179,10 @@ class Profiler:
         if self._stack:
             self._stack.pop()
 
-    def on_save(self, t: torch.Tensor, new_record: bool) -> Optional[TensorKey]:
-        """A tensor was packed. Returns the key when it started a new record (span)."""
+    def on_save(self, t: torch.Tensor, new_record: bool,
+                nbytes: Optional[int] = None) -> Optional[TensorKey]:
+        """A tensor was packed (``nbytes``: its storage's, when the caller has it). Returns the
+        key when it started a new record (span)."""
         t0 = time.perf_counter()
         if self._stack:
             frame = self._stack[-1]
@@ -175,12 +190,19 @@ class Profiler:
             frame[2] += 1
         else:
             uid, call, ordinal = -1, 0, len(self.ids)
-        dtype = _DTYPE_NAMES.get(t.dtype) or _DTYPE_NAMES.setdefault(t.dtype, str(t.dtype))
-        nbytes = t.untyped_storage().nbytes()
-        self.ids.append(self.vocab.id(("s", uid, call, ordinal, dtype, size_class(nbytes), new_record)))
+        dt = t.dtype
+        dtype = _DTYPE_NAMES.get(dt) or _DTYPE_NAMES.setdefault(dt, str(dt))
+        if nbytes is None:
+            nbytes = t.untyped_storage().nbytes()
+        cls = _SIZE_CLASSES.get(nbytes)
+        if cls is None:
+            cls = size_class(nbytes)
+            if len(_SIZE_CLASSES) < _SIZE_CLASSES_MAX:
+                _SIZE_CLASSES[nbytes] = cls
+        self.ids.append(self.vocab.id(("s", uid, call, ordinal, dtype, cls, new_record)))
         key = None
         if new_record:
-            key = TensorKey(uid, call, ordinal, dtype, tuple(t.shape))
+            key = _new_key((uid, call, ordinal, dtype, tuple(t.shape)))
             self.keys.append(key)
             self.nbytes.append(nbytes)
             if self.detailed:

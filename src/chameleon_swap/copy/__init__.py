@@ -4,8 +4,9 @@ Both backends offer the same small interface, so the executor above them is iden
 CUDA and ordering bugs show in the CPU tests:
 
 ``record_ready()``
-    called when a tensor is saved; marks the point after which its bytes are final (a CUDA event
-    on the compute stream; nothing on CPU, where compute is synchronous).
+    called when a tensor is saved in a step with a budget; marks the point after which its bytes
+    are final (a CUDA event on the compute stream; nothing on CPU, where compute is synchronous).
+    With no budget nothing can move, and neither this nor any other method is called per save.
 ``offload(src, dst, ready) -> Ticket``
     copy ``src`` (device uint8) into ``dst`` (host uint8) once ``ready`` has passed. The engine keeps
     ``src`` alive until the copy has completed (deferred free), so the caller may drop it at once.

@@ -34,6 +34,7 @@ FIT_COVERAGE = 0.9        # share of saved bytes a plan must match to be kept fo
 class ChameleonPolicy:
     name = "chameleon"
     adaptive = True
+    recomputes = True         # with a model, blocks run keep / selective / full per its plans
 
     def __init__(self, ex: Executor, cache_size: int = DEFAULT_PLAN_CACHE_SIZE) -> None:
         self.ex = ex
@@ -68,7 +69,9 @@ class ChameleonPolicy:
         self.overrides = 0                  # planned-resident records the guard had to move
 
     def wants_detail(self) -> bool:
-        return self._want_detail
+        # Timings serve the planner only, which never runs without a budget: with none, every
+        # step is lightweight (the first step with a budget is then the timed one).
+        return self._want_detail and self.ex.budget is not None
 
     def begin_step(self) -> None:
         self.guard.begin_step()
@@ -321,6 +324,7 @@ class StaticPolicy(ChameleonPolicy):
 
     name = "static"
     adaptive = False
+    recomputes = False        # the frozen-schedule baseline stays swap-only
     WARMUP_STEPS = 1
 
     def __init__(self, ex: Executor, cache_size: int = DEFAULT_PLAN_CACHE_SIZE) -> None:
@@ -329,7 +333,7 @@ class StaticPolicy(ChameleonPolicy):
         self._want_detail = False
 
     def wants_detail(self) -> bool:
-        return self.frozen is None and self.step_no >= self.WARMUP_STEPS
+        return self.frozen is None and self.step_no >= self.WARMUP_STEPS and self.ex.budget is not None
 
     def begin_step(self) -> None:
         self.guard.begin_step()
