@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -129,9 +130,17 @@ def main() -> int:
           f"gradient shards identical to the run without the engine: {identical}", flush=True)
     ok = torch.tensor([int(held and identical)], device=device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank exits with the same verdict
+    dist.barrier()
     dist.destroy_process_group()
     return 0 if ok.item() else 1
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    # Leave without running interpreter teardown: on CPU with gloo, FSDP2's objects destroyed
+    # after the process group sometimes abort the process ("terminate called without an active
+    # exception", seen in about one run in eight with or without the engine, after every rank
+    # had agreed on the verdict). The verdict is final by now, so skip that teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
