@@ -70,10 +70,13 @@ class CheapNet(nn.Module):
 # --------------------------------------------------------------------------- the decision
 @pytest.mark.parametrize("link,recomputes", [("1GB/s", True), ("1TB/s", False)])
 def test_a_slow_link_recomputes_a_fast_one_swaps(link, recomputes):
+    # At a quarter of the peak three quarters of ~150 MB must go out during a forward pass of
+    # a few tens of ms on one core: over 3 GB/s, which 1 GB/s cannot hide (a machine several
+    # times slower than an idle CI core could hide it: the decision follows measured times).
     torch.manual_seed(0)
     model = CheapNet()
-    batches = [(randn(4, 2048, 64, seed=i),) for i in range(4)]
-    history, _, budget = compare(model, batches, 0.4, model_kwarg=True, link_bandwidth=link,
+    batches = [(randn(4, 4096, 64, seed=i),) for i in range(4)]
+    history, _, budget = compare(model, batches, 0.25, model_kwarg=True, link_bandwidth=link,
                                  min_tensor_bytes=2**16)
     last = history[-1]
     assert all(s.peak_resident_bytes <= budget for s in history)
@@ -102,7 +105,9 @@ def test_bitwise_under_budget_with_recompute(make, fraction, link):
     batches = lm_batches(model, [24, 24, 12, 24, 32, 24])
     history, _, budget = compare(model, batches, fraction, model_kwarg=True, link_bandwidth=link)
     assert all(s.peak_resident_bytes <= budget for s in history)
-    if link == SLOW and fraction >= 0.5:     # lower, a block's working set alone is too big
+    # Recomputing must pay where it can: on llama at half the peak (lower, or on moe whose
+    # blocks save more, a block's recompute working set alone passes the budget: swap only).
+    if link == SLOW and fraction >= 0.5 and make is llama:
         assert any(s.block_modes[2] + s.block_modes[1] for s in history), history[-1]
 
 
