@@ -7,8 +7,9 @@ autocast on CUDA), trained on a schedule of sequence lengths. Modes, interleaved
 one process (the order rotates every repetition, so drift and warm-up affect each alike):
 
 * ``none``: the plain step;
-* ``full-recompute``: ``model.gradient_checkpointing_enable()`` (non-reentrant), what Hugging Face
-  users turn on;
+* ``full-recompute``: non-reentrant ``torch.utils.checkpoint`` around every decoder layer, what
+  Hugging Face's ``gradient_checkpointing_enable()`` does (applied here from outside, so the same
+  model object serves every mode);
 * ``selective-recompute``: PyTorch's selective activation checkpointing around every decoder
   layer, keeping matmul and attention outputs;
 * ``swap@P``: ``Chameleon(budget=P x natural peak)``, swap only;
@@ -85,7 +86,7 @@ def build(a, device):
                       num_attention_heads=max(1, hidden // 128 if cuda else hidden // 32),
                       intermediate_size=int(hidden * 8 / 3) // 64 * 64 or 64,
                       vocab_size=32000 if cuda else 2048, max_position_embeddings=32768,
-                      attn_implementation="sdpa")
+                      attn_implementation="sdpa", use_cache=False)
     cfg.num_key_value_heads = cfg.num_attention_heads
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(device)
@@ -94,19 +95,20 @@ def build(a, device):
 
 
 @contextlib.contextmanager
-def selective(model):
-    """Selective activation checkpointing around every decoder layer, for one step."""
+def checkpointed(model, selective: bool):
+    """Non-reentrant checkpointing around every decoder layer for one step: full, or selective
+    (PyTorch's selective checkpointing keeping matmul and attention outputs)."""
     from torch.utils.checkpoint import checkpoint
 
     from chameleon_swap.bench.baselines import _selective_context
+    extra = {"context_fn": _selective_context} if selective else {}
     layers = list(model.model.layers)
     saved = [layer.__dict__.get("forward") for layer in layers]
     for layer in layers:
         inner = layer.forward
 
         def fwd(*args, _f=inner, **kwargs):
-            return checkpoint(_f, *args, use_reentrant=False, context_fn=_selective_context,
-                              **kwargs)
+            return checkpoint(_f, *args, use_reentrant=False, **extra, **kwargs)
         layer.forward = fwd
     try:
         yield
@@ -144,15 +146,8 @@ def main(argv=None) -> int:
         if mode == "none":
             loss = loss_of(T)
             loss.backward()
-        elif mode == "full-recompute":
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            try:
-                loss = loss_of(T)
-                loss.backward()
-            finally:
-                model.gradient_checkpointing_disable()
-        elif mode == "selective-recompute":
-            with selective(model):
+        elif mode in ("full-recompute", "selective-recompute"):
+            with checkpointed(model, selective=mode == "selective-recompute"):
                 loss = loss_of(T)
                 loss.backward()
         else:
