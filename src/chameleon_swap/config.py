@@ -111,8 +111,8 @@ def parse_bandwidth(value, name: str = "link_bandwidth") -> Optional[float]:
 
 
 def _fraction_of_a_byte(name: str, value) -> str:
-    hint = (" (a size is bytes, not a fraction of memory: to use part of the device, compute the "
-            "bytes yourself)") if isinstance(value, float) and 0 < value < 1 else ""
+    hint = (" (a size is bytes, not a fraction of memory: compute the bytes, e.g. "
+            "int(0.5 * peak))") if isinstance(value, float) and 0 < value < 1 else ""
     return (f"{name}={value!r} is not a whole number of bytes{hint}; {name} must be {_ACCEPTED}")
 
 

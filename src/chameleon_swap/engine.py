@@ -226,6 +226,7 @@ class Chameleon:
         self.totals = StepTotals()
         self._in_step = False
         self._owner: dict = {}                    # "step": (thread id, token) of the open step
+        self._step_hooks: Optional[tuple] = None  # this step's (pack, unpack) hooks
         self._closed = False
         self._module_starts: list[int] = []
         limit = self.config.device_memory_limit_bytes
@@ -357,6 +358,7 @@ class Chameleon:
                 self._refuse_step(owner)
             self._in_step = True
             self._recover()
+            self._raise_swallowed_interrupt()
             budget = self._step_budget()
             self._ex.begin_step(budget)
             self._policy.begin_step()
@@ -372,19 +374,39 @@ class Chameleon:
             self._host_allocated_at_start = self._pool.allocated_bytes
             t0 = time.perf_counter()
             failed = oom = False
+            self._step_hooks = (_eager(self._ex.pack), _eager(self._ex.unpack))
             try:
-                with torch.autograd.graph.saved_tensors_hooks(_eager(self._ex.pack),
-                                                              _eager(self._ex.unpack)):
+                with torch.autograd.graph.saved_tensors_hooks(*self._step_hooks):
                     yield self
             except BaseException as e:
                 failed, oom = True, isinstance(e, _OOM)
                 raise
             finally:
                 self._finish_step(t0, budget, failed, oom)
+            self._raise_swallowed_interrupt()
         finally:
             if mine is not None and self._owner.get("step") is mine:
                 self._in_step = False
                 del self._owner["step"]
+                self._pop_stale_hooks()
+
+    def _pop_stale_hooks(self) -> None:
+        """An interrupt that lands as the step's saved-tensor hooks are being removed (at the
+        entry of their ``__exit__``) leaves them installed on this thread: every later autograd
+        save would go through a step that has ended. Take them off."""
+        hooks, self._step_hooks = self._step_hooks, None
+        if hooks is None or _top_hooks is None:
+            return
+        top = _top_hooks(False)
+        if top is not None and top[0] is hooks[0]:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+
+    def _raise_swallowed_interrupt(self) -> None:
+        """A Ctrl-C that landed in a saved tensor's release (inside ``__del__``, where Python
+        would swallow it) is raised here, once the step is whole again."""
+        if self._ex.interrupted:
+            self._ex.interrupted = False
+            raise KeyboardInterrupt("interrupted while chameleon-swap released a saved tensor")
 
     def _refuse_step(self, owner) -> None:
         if owner[0] == threading.get_ident():
@@ -398,6 +420,7 @@ class Chameleon:
         """Before a step (or close): finish what an interrupt cut short in an earlier step's
         set-up or end. The recompute runner ends the step it never ended (releasing its holds);
         with it, no hold outlives a step; the executor settles (Executor.settle)."""
+        self._pop_stale_hooks()
         if self._runner is not None:
             if self._runner.in_step:
                 self._runner.end_step(True)
@@ -606,6 +629,7 @@ def _remove_hooks(hooks) -> None:
 # region's saved tensors still go through the pack/unpack hooks, which run eagerly.
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
 _OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
 def _first_grad_output(output) -> Optional[torch.Tensor]:

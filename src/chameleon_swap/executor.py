@@ -16,7 +16,6 @@ Vocabulary
 """
 from __future__ import annotations
 
-import _thread
 import threading
 import weakref
 from typing import Optional
@@ -135,9 +134,9 @@ class Handle:
                 # Python swallows whatever escapes __del__ ("Exception ignored in"): a Ctrl-C
                 # landing here would be lost and the release left half done. The release is
                 # finished by Executor.settle() at the next step boundary (or the next read of
-                # the engine's counters), and the interrupt is raised again, in whatever code
-                # runs next, so the user's Ctrl-C still stops the program.
-                _thread.interrupt_main()
+                # the engine's counters), and the engine raises the interrupt again at the end
+                # of the step (or the start of the next), outside any __del__.
+                self.ex.interrupted = True
             except Exception:  # interpreter shutdown: nothing left to account for
                 pass
 
@@ -222,6 +221,7 @@ class Executor:
         self._next_hold = 0
         self._earlier: set = set()               # records alive when this step began
         self._settled_moves = 0                  # self.moves at the last settle()
+        self.interrupted = False                 # a Ctrl-C was swallowed by a Handle.__del__
 
     # ------------------------------------------------------------------ step boundaries
     def begin_step(self, budget: Optional[int]) -> None:
