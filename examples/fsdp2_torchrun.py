@@ -124,10 +124,15 @@ def main() -> int:
     identical = all(torch.equal(a, b) for la, lb in zip(ref_losses, losses) for a, b in zip(la, lb))
     identical &= all(torch.equal(a, b) for ga, gb in zip(ref_grads, grads) for a, b in zip(ga, gb))
     held = all(s.peak_resident_bytes <= budget and not s.failed for s in eng.history)
-    for s in eng.history:
-        print(f"rank {rank} | {s}", flush=True)
-    print(f"rank {rank}: budget {cs.format_bytes(budget)} held on every step: {held}; losses and "
-          f"gradient shards identical to the run without the engine: {identical}", flush=True)
+    lines = [f"rank {rank} | {s}" for s in eng.history]
+    lines.append(f"rank {rank}: budget {cs.format_bytes(budget)} held on every step: {held}; "
+                 f"losses and gradient shards identical to the run without the engine: "
+                 f"{identical}")
+    # Rank 0 prints every rank's lines: two processes writing to one pipe can interleave.
+    gathered = [None] * world
+    dist.all_gather_object(gathered, lines)
+    if rank == 0:
+        print("\n".join(line for rank_lines in gathered for line in rank_lines), flush=True)
     ok = torch.tensor([int(held and identical)], device=device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank exits with the same verdict
     dist.barrier()

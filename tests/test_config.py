@@ -106,9 +106,26 @@ TABLE = [
     ("512 MB", 512 * 10**6), ("  1KiB  ", 1024), ("1\tGiB", 2**30), ("\n64\n", 64),
     # exponents
     ("1e3", 1000), ("1E3", 1000), ("2e3KB", 2 * 10**6), ("1e+2", 100), ("1.5e1KiB", 15 * 1024),
-    # fractions of a byte are rounded down
-    ("1.5", 1), ("1.5B", 1), ("0.9", 0), ("1e-3", 0), ("0.0001KB", 0),
+    # a larger unit is rounded down to whole bytes
+    ("0.3KiB", 307), ("1.3GiB", 1395864371),
 ]
+
+# Not a whole number of bytes: an error, never 0 or 1 byte (a size is bytes, not a fraction).
+FRACTIONAL = ["1.5", "1.5B", "0.9", "1e-3", "0.0001KB", "0.5", 0.5, 1.5, 1.9, 1e-9]
+
+
+@pytest.mark.parametrize("value", FRACTIONAL, ids=[repr(v) for v in FRACTIONAL])
+def test_a_fraction_of_a_byte_is_an_error(value):
+    with pytest.raises(ValueError, match="not a whole number of bytes") as e:
+        cs.parse_size(value, "budget")
+    check_message(e.value, "budget", value=value)
+    with pytest.raises(ValueError, match="budget"):
+        make(budget=value)
+
+
+def test_budget_half_says_it_is_not_a_fraction_of_memory():
+    with pytest.raises(ValueError, match="not a fraction of memory"):
+        make(budget=0.5)
 
 
 @pytest.mark.parametrize("text,expected", TABLE, ids=[repr(t) for t, _ in TABLE])
@@ -122,8 +139,8 @@ def test_parse_ints_floats_and_none():
     for n in (0, 1, 4096, 2**40, 2**63):
         got = cs.parse_size(n)
         assert got == n and type(got) is int
-    # Finite non-negative floats are accepted and rounded down to whole bytes.
-    assert cs.parse_size(1.9) == 1 and type(cs.parse_size(1.9)) is int
+    # Finite non-negative floats that are whole numbers of bytes are accepted.
+    assert cs.parse_size(2e9) == 2 * 10**9 and type(cs.parse_size(2e9)) is int
     assert cs.parse_size(0.0) == 0 and cs.parse_size(-0.0) == 0
     assert cs.parse_size(1.5 * 2**30) == 3 * 2**29
     assert cs.parse_size(1e15) == 10**15
@@ -279,6 +296,12 @@ def _oracle(number: str, unit: str, floor: bool = True):
 UNITS_LOWER = {k.lower(): v for k, v in UNITS.items()}
 
 
+def _fractional(number: str, unit: str) -> bool:
+    """Refused as a fraction of a byte: not whole in bytes, or under one byte but not 0."""
+    exact = _oracle(number, unit, floor=False)
+    return exact != math.floor(exact) and (UNITS_LOWER[unit.lower()] == 1 or exact < 1)
+
+
 @settings(max_examples=400, deadline=None)
 @given(number=_NUMBER,
        unit=st.one_of(st.sampled_from(sorted(UNITS)), st.sampled_from(_BAD_UNITS)),
@@ -290,6 +313,7 @@ def test_structured_strings_against_decimal_oracle(number, unit, sign, pad, case
     text = f"{pad[0]}{sign}{number}{pad[1]}{case(unit)}{pad[2]}"
     valid = sign == "" and unit.lower() in UNITS_LOWER
     too_large = valid and _oracle(number, unit, floor=False) > CAP
+    valid = valid and (too_large or not _fractional(number, unit))
     if not valid or too_large:
         with pytest.raises(ValueError) as e:
             cs.parse_size(text, "budget")
@@ -331,12 +355,13 @@ def test_parse_size_returns_a_byte_count_or_names_the_argument(value, name, allo
     if isinstance(value, int):
         assert got == value
     elif isinstance(value, float):
-        assert math.isfinite(value) and value >= 0 and got == math.floor(value)
+        assert math.isfinite(value) and value >= 0 and value.is_integer() and got == value
     else:
         assert isinstance(value, str), (type(value), value)
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
         assert m is not None and m.group(2).lower() in UNITS_LOWER, value
         assert _oracle(m.group(1), m.group(2), floor=False) <= CAP, value
+        assert not _fractional(m.group(1), m.group(2)), value
         assert got == _oracle(m.group(1), m.group(2)), value
 
 
@@ -352,7 +377,7 @@ def test_valid_sizes_are_parsed(no_threads_left_behind):
         assert eng.policy == "chameleon"           # the default once it beat the guard (issue 3)
         assert eng.device == torch.device("cpu")
     for budget, expected in [(None, None), (0, 0), (4096, 4096), ("512MB", 512 * 10**6),
-                             ("1KB", 1000), ("1KiB", 1024), (2.9, 2), ("0", 0)]:
+                             ("1KB", 1000), ("1KiB", 1024), (2e3, 2000), ("0", 0)]:
         with make(budget=budget) as eng:
             assert eng.budget_bytes == expected
             assert eng.budget_bytes is None or type(eng.budget_bytes) is int
@@ -603,4 +628,6 @@ def test_huge_sizes_agree_across_forms(n):
 
 def test_many_digit_size_strings_round_down():
     assert cs.parse_size("0.99999999999999999999999999999KB") == 999
-    assert cs.parse_size("18446744073709551615.9999999999") == 2**64 - 1
+    assert cs.parse_size("1099511627775.9999999999KiB") == 1125899906842623
+    with pytest.raises(ValueError, match="not a whole number of bytes"):
+        cs.parse_size("18446744073709551615.9999999999")

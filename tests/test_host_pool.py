@@ -382,3 +382,40 @@ def test_cuda_slabs_are_pinned_and_allocations_stay_flat_after_warm_up():
             else:
                 assert pool.allocations == warm and eng.last_step.host_allocated_bytes == 0
     assert eng.host_bytes_reserved == 0
+
+
+def test_free_slabs_are_trimmed_to_what_recent_steps_used():
+    from chameleon_swap.copy.host_pool import TRIM_WINDOW
+    pool = HostPool(2**30, pin=False)
+    big = [pool.acquire(2**22) for _ in range(4)]         # one large step
+    for b in big:
+        pool.release(b)
+    pool.end_step()
+    grown = pool.reserved_bytes
+    assert grown >= 2**24
+    for _ in range(TRIM_WINDOW):                           # small steps from now on
+        b = pool.acquire(2**16)
+        pool.release(b)
+        pool.end_step()
+    assert pool.reserved_bytes < grown                     # the large step's slabs went back
+    assert pool.reserved_bytes >= 2**16
+    small = pool.reserved_bytes
+    for _ in range(3):                                     # steady: nothing more is allocated
+        before = pool.allocations
+        b = pool.acquire(2**16)
+        pool.release(b)
+        pool.end_step()
+        assert pool.allocations == before and pool.reserved_bytes == small
+
+
+def test_settle_returns_buffers_no_record_holds_and_rebuilds_free_ranges():
+    pool = HostPool(2**26, pin=False)
+    a, b, c = (pool.acquire(10_000) for _ in range(3))
+    b.slab._free.clear()                                   # as if a release was cut short
+    b.slab._starts.clear()
+    pool.settle([a])                                       # only a is still held
+    assert pool.in_use_bytes == a.capacity
+    assert not b.live and not c.live
+    pool.release(a)
+    assert pool.in_use_bytes == 0
+    assert pool.free_ranges() == [(0, 0, pool.slab_sizes[0])]

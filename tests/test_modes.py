@@ -109,7 +109,7 @@ def test_nothing_recomputed_or_moved_when_the_step_fits():
 @pytest.mark.parametrize("link", [SLOW, FAST])
 @pytest.mark.parametrize("fraction", [0.5, 0.2, 0.05, 0.0])
 @pytest.mark.parametrize("make", [llama, moe], ids=["llama", "moe"])
-def test_bitwise_under_budget_with_recompute(make, fraction, link):
+def test_bitwise_under_budget_with_recompute(make, fraction, link, steady_clock):
     model = make()
     batches = lm_batches(model, [24, 24, 12, 24, 32, 24])
     history, _, budget = compare(model, batches, fraction, model_kwarg=True, link_bandwidth=link)
@@ -143,7 +143,7 @@ def test_random_models_bitwise_and_budget_with_recompute(spec, lengths, fraction
             assert eng.resident_bytes == 0 and eng.host_bytes_in_use == 0
 
 
-def test_hugging_face_llama_blocks_found_and_bitwise():
+def test_hugging_face_llama_blocks_found_and_bitwise(steady_clock):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=64,

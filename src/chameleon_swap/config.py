@@ -33,9 +33,14 @@ POLICIES = ("guard", "chameleon", "static")
 def parse_size(value: SizeLike, name: str = "size", *, allow_none: bool = True) -> Optional[int]:
     """Parse ``value`` into a number of bytes.
 
-    Accepts a non-negative int, a finite non-negative float (rounded down to whole bytes) or a
-    string with an optional unit (``"512MB"``, ``"1.5GiB"``, ``"4096"``). ``None`` passes through
-    when ``allow_none``. Errors name the argument (``name``) and the accepted forms.
+    Accepts a non-negative int, a finite non-negative float that is a whole number of bytes
+    (``2e9``) or a string with an optional unit (``"512MB"``, ``"1.5GiB"``, ``"4096"``). ``None``
+    passes through when ``allow_none``. Errors name the argument (``name``) and the accepted forms.
+
+    A size is bytes, never a fraction of memory: a float or a bare number string that is not a
+    whole number of bytes (``0.5``, ``1.5``, ``"0.5"``) is an error rather than 0 or 1 byte. A
+    string with a larger unit is rounded down to whole bytes (``"1.3GiB"``), unless it comes to
+    less than one byte without being 0 (``"0.0001KB"``), which is an error too.
     """
     if value is None:
         if allow_none:
@@ -52,8 +57,10 @@ def parse_size(value: SizeLike, name: str = "size", *, allow_none: bool = True) 
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"{name} must be {_ACCEPTED}; got {value!r}")
         # Bounded by its shortest repr (what the user typed; the string form of the same number
-        # gets the same verdict), then rounded down to whole bytes.
+        # gets the same verdict).
         _bounded(int(Decimal(repr(value))), value, name)
+        if not value.is_integer():
+            raise ValueError(_fraction_of_a_byte(name, value))
         return int(value)
     if isinstance(value, str):
         m = _SIZE_RE.match(value)
@@ -68,6 +75,8 @@ def parse_size(value: SizeLike, name: str = "size", *, allow_none: bool = True) 
         with localcontext() as ctx:
             ctx.prec = max(60, len(m.group(1)) + 20)
             result = number * _UNITS[m.group(2).lower()]
+        if result != int(result) and (_UNITS[m.group(2).lower()] == 1 or result < 1):
+            raise ValueError(_fraction_of_a_byte(name, value))
         return _bounded(int(result), value, name)
     raise TypeError(f"{name} must be {_ACCEPTED}; got {type(value).__name__} {value!r}")
 
@@ -99,6 +108,12 @@ def parse_bandwidth(value, name: str = "link_bandwidth") -> Optional[float]:
             raise ValueError(f"{name} must be {_BANDWIDTH_ACCEPTED}; got {value!r}")
         return float(n)
     raise TypeError(f"{name} must be {_BANDWIDTH_ACCEPTED}; got {type(value).__name__} {value!r}")
+
+
+def _fraction_of_a_byte(name: str, value) -> str:
+    hint = (" (a size is bytes, not a fraction of memory: compute the bytes, e.g. "
+            "int(0.5 * peak))") if isinstance(value, float) and 0 < value < 1 else ""
+    return (f"{name}={value!r} is not a whole number of bytes{hint}; {name} must be {_ACCEPTED}")
 
 
 def _bounded(n: int, value, name: str) -> int:
@@ -145,6 +160,11 @@ def total_host_memory() -> Optional[int]:
 # process (data loaders, optimizer states on CPU). Half of what is available is the default.
 DEFAULT_HOST_FRACTION = 0.5
 DEFAULT_MIN_TENSOR_BYTES = 2**20  # 1 MiB: below this a copy's launch cost outweighs what it frees
+DEFAULT_HISTORY_SIZE = 1000       # StepStats kept in eng.history (about 600 B each)
+MAX_HISTORY_SIZE = 10**6
+# A plan holds one entry per saved tensor of its step; more signatures than this in the LRU is a
+# typo (the cache would hold gigabytes), not a workload.
+MAX_PLAN_CACHE_SIZE = 4096
 
 
 @dataclass
@@ -163,15 +183,16 @@ class EngineConfig:
     plan_cache_size: int = 16
     # Bytes per second per direction the planner assumes for the host link (None: measured).
     link_bandwidth: Union[int, float, str, None] = None
+    history_size: int = DEFAULT_HISTORY_SIZE
 
     def __post_init__(self) -> None:
         self.link_bandwidth_bytes_per_s = parse_bandwidth(self.link_bandwidth, "link_bandwidth")
         self.length_tolerance = _fraction(self.length_tolerance, "length_tolerance")
         self.min_similarity = _fraction(self.min_similarity, "min_similarity")
-        if isinstance(self.plan_cache_size, bool) or not isinstance(self.plan_cache_size, int) \
-                or self.plan_cache_size < 1:
-            raise ValueError(f"plan_cache_size must be a positive int (plans kept by signature); "
-                             f"got {self.plan_cache_size!r}")
+        _count(self.plan_cache_size, "plan_cache_size", MAX_PLAN_CACHE_SIZE,
+               "plans kept, one per operator-sequence signature")
+        _count(self.history_size, "history_size", MAX_HISTORY_SIZE,
+               "StepStats kept in eng.history; eng.totals sums every step")
         self.budget_bytes = parse_size(self.budget, "budget")
         self.min_tensor_bytes = parse_size(self.min_tensor_bytes, "min_tensor_bytes", allow_none=False)
         self.device_memory_limit_bytes = parse_size(self.device_memory_limit, "device_memory_limit")
@@ -179,6 +200,7 @@ class EngineConfig:
             raise ValueError(f"policy must be one of {', '.join(repr(p) for p in POLICIES)}; "
                              f"got {self.policy!r}")
         limit = parse_size(self.host_memory_limit, "host_memory_limit")
+        _check_host_limit(limit, self.host_memory_limit)
         if limit is None:
             avail = available_host_memory()
             limit = int(avail * DEFAULT_HOST_FRACTION) if avail else 8 * 2**30
@@ -191,6 +213,26 @@ class EngineConfig:
                              f"host_memory_limit={format_bytes(limit)}{how}; the reserve is taken "
                              f"from the limit: lower host_memory_reserve or raise host_memory_limit")
         self.host_memory_reserve_bytes = reserve or 0
+
+
+def _count(value, name: str, most: int, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+        raise ValueError(f"{name} must be an int from 1 to {most} ({what}); got {value!r}")
+
+
+def _check_host_limit(limit: Optional[int], given) -> None:
+    """0 bytes of host memory, or more than the machine has, is a typo, not a limit."""
+    if limit is None:
+        return
+    if limit == 0:
+        raise ValueError("host_memory_limit=0 leaves no host memory for offloaded activations; "
+                         "pass a positive size such as '8GiB', or None (half the RAM available); "
+                         "to offload nothing, pass budget=None instead")
+    total = total_host_memory()
+    if total is not None and limit > total:
+        raise ValueError(f"host_memory_limit={given!r} ({format_bytes(limit)}) is more than this "
+                         f"machine's RAM ({format_bytes(total)}); pass at most that, or None "
+                         f"(half the RAM available)")
 
 
 def _fraction(value, name: str) -> float:

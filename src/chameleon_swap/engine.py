@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import threading
 import time
 import warnings
 import weakref
@@ -18,11 +19,13 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-from .config import DEFAULT_MIN_TENSOR_BYTES, EngineConfig, SizeLike, format_bytes
+from .config import (DEFAULT_HISTORY_SIZE, DEFAULT_MIN_TENSOR_BYTES, EngineConfig, SizeLike,
+                     format_bytes)
 from .copy import make_copy_engine
 from .copy.bandwidth import cached_bandwidth, resolve_device
 from .copy.host_pool import HostPool
 from .executor import Executor
+from .history import StepHistory, StepTotals
 from .policy import make_policy
 from .policy.memory import DeviceMemoryBudget
 from .profiler import Profiler
@@ -175,13 +178,15 @@ class Chameleon:
                  min_similarity: float = 0.95, plan_cache_size: int = 16,
                  trace_dir: Optional[Union[str, os.PathLike]] = None,
                  model: Optional[torch.nn.Module] = None, blocks=None,
-                 link_bandwidth: Union[int, float, str, None] = None) -> None:
+                 link_bandwidth: Union[int, float, str, None] = None,
+                 history_size: int = DEFAULT_HISTORY_SIZE) -> None:
         self.config = EngineConfig(budget=budget, min_tensor_bytes=min_tensor_bytes,
                                    device_memory_limit=device_memory_limit, policy=policy,
                                    host_memory_limit=host_memory_limit,
                                    host_memory_reserve=host_memory_reserve,
                                    length_tolerance=length_tolerance, min_similarity=min_similarity,
-                                   plan_cache_size=plan_cache_size, link_bandwidth=link_bandwidth)
+                                   plan_cache_size=plan_cache_size, link_bandwidth=link_bandwidth,
+                                   history_size=history_size)
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module (the model being trained) or None; "
                             f"got {type(model).__name__}")
@@ -217,8 +222,11 @@ class Chameleon:
                        torch.nn.modules.module.register_module_forward_hook(
                            _weak_hook(self._module_post))]
         weakref.finalize(self, _remove_hooks, list(self._hooks))
-        self.history: list[StepStats] = []
+        self.history: StepHistory = StepHistory(self.config.history_size)
+        self.totals = StepTotals()
         self._in_step = False
+        self._owner: dict = {}                    # "step": (thread id, token) of the open step
+        self._step_hooks: Optional[tuple] = None  # this step's (pack, unpack) hooks
         self._closed = False
         self._module_starts: list[int] = []
         limit = self.config.device_memory_limit_bytes
@@ -242,16 +250,35 @@ class Chameleon:
     def host_bytes_in_use(self) -> int:
         """Host memory holding offloaded activations right now (0 between steps once the
         graphs are gone); free memory of the host arena is not counted."""
+        self._settle()
         return self._pool.in_use_bytes
 
     @property
     def host_bytes_reserved(self) -> int:
-        """Host memory the arena holds, in use or free (pinned on CUDA); 0 once closed."""
+        """Host memory the arena holds, in use or free (pinned on CUDA); 0 once closed. Bounded
+        by ``host_memory_limit`` and, at each step's end, trimmed to the most any of the last
+        32 steps had in use (or ``host_memory_reserve``, if larger)."""
+        self._settle()
         return self._pool.reserved_bytes
 
     @property
     def resident_bytes(self) -> int:
+        """Saved-activation bytes the engine counts on the device now (0 between steps once the
+        graphs are gone)."""
+        self._settle()
         return self._ex.resident_bytes
+
+    @property
+    def records_alive(self) -> int:
+        """Saved storages the engine tracks now: those of graphs still alive (0 once they are
+        gone)."""
+        self._settle()
+        return len(self._ex.live)
+
+    def _settle(self) -> None:
+        """Between steps, make the counters whole after an interrupt (see _recover)."""
+        if not self._in_step and not self._closed:
+            self._recover()
 
     def __repr__(self) -> str:
         return (f"Chameleon(budget={format_bytes(self.budget_bytes)}, device={self.device}, "
@@ -300,7 +327,9 @@ class Chameleon:
             return
         if self._in_step:
             raise RuntimeError("Chameleon.close() was called inside eng.step(); leave the step first")
+        self._recover()
         self._ex.release_all("the engine was closed")
+        self._ex.settle()
         if self._runner is not None:
             self._runner.remove()
         for h in self._hooks:
@@ -313,36 +342,90 @@ class Chameleon:
     # ------------------------------------------------------------------ one iteration
     @contextlib.contextmanager
     def step(self) -> Iterator["Chameleon"]:
-        """Mark one training iteration (forward and backward) run under the budget."""
+        """Mark one training iteration (forward and backward) run under the budget.
+
+        An exception (a Ctrl-C included) anywhere in the step, its set-up or its end releases
+        what the step saved, and only that: graphs kept from earlier steps stay valid. What an
+        interrupt cut short is finished at the next step's start (or ``close()``)."""
         if self._closed:
             raise RuntimeError("this Chameleon engine is closed; create a new one")
-        if self._in_step:
+        mine = (threading.get_ident(), object())
+        # From here on, whatever is interrupted, the finally gives the step back.
+        try:
+            owner = self._owner.setdefault("step", mine)     # atomic: one step at a time
+            if owner is not mine:
+                mine = None
+                self._refuse_step(owner)
+            self._in_step = True
+            self._recover()
+            self._raise_swallowed_interrupt()
+            budget = self._step_budget()
+            self._ex.begin_step(budget)
+            self._policy.begin_step()
+            # A traced step is timed: the simulator needs every slot's duration.
+            detailed = self._policy.wants_detail() or self._trace_dir is not None
+            self._profiler.begin_step(detailed=detailed)
+            if self._runner is not None:
+                self._runner.begin_step(detailed)
+            self._state_bytes = (torch.cuda.memory_allocated(self.device)
+                                 if self._trace_dir is not None and self.device.type == "cuda"
+                                 else 0)
+            self._module_starts = []
+            self._host_allocated_at_start = self._pool.allocated_bytes
+            t0 = time.perf_counter()
+            failed = oom = False
+            self._step_hooks = (_eager(self._ex.pack), _eager(self._ex.unpack))
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(*self._step_hooks):
+                    yield self
+            except BaseException as e:
+                failed, oom = True, isinstance(e, _OOM)
+                raise
+            finally:
+                self._finish_step(t0, budget, failed, oom)
+            self._raise_swallowed_interrupt()
+        finally:
+            if mine is not None and self._owner.get("step") is mine:
+                self._in_step = False
+                del self._owner["step"]
+                self._pop_stale_hooks()
+
+    def _pop_stale_hooks(self) -> None:
+        """An interrupt that lands as the step's saved-tensor hooks are being removed (at the
+        entry of their ``__exit__``) leaves them installed on this thread: every later autograd
+        save would go through a step that has ended. Take them off."""
+        hooks, self._step_hooks = self._step_hooks, None
+        if hooks is None or _top_hooks is None:
+            return
+        top = _top_hooks(False)
+        if top is not None and top[0] is hooks[0]:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+
+    def _raise_swallowed_interrupt(self) -> None:
+        """A Ctrl-C that landed in a saved tensor's release (inside ``__del__``, where Python
+        would swallow it) is raised here, once the step is whole again."""
+        if self._ex.interrupted:
+            self._ex.interrupted = False
+            raise KeyboardInterrupt("interrupted while chameleon-swap released a saved tensor")
+
+    def _refuse_step(self, owner) -> None:
+        if owner[0] == threading.get_ident():
             raise RuntimeError("eng.step() cannot be nested: one step is one iteration "
                                "(forward and backward); end the current step first")
-        self._in_step = True
-        budget = self._step_budget()
-        self._ex.begin_step(budget)
-        self._policy.begin_step()
-        # A traced step is timed: the simulator needs every slot's duration.
-        detailed = self._policy.wants_detail() or self._trace_dir is not None
-        self._profiler.begin_step(detailed=detailed)
+        raise RuntimeError("eng.step() is already running on another thread: one Chameleon "
+                           "engine serves one training loop at a time (its budget, hooks and "
+                           "counters are per step); create one engine per thread")
+
+    def _recover(self) -> None:
+        """Before a step (or close): finish what an interrupt cut short in an earlier step's
+        set-up or end. The recompute runner ends the step it never ended (releasing its holds);
+        with it, no hold outlives a step; the executor settles (Executor.settle)."""
+        self._pop_stale_hooks()
         if self._runner is not None:
-            self._runner.begin_step(detailed)
-        self._state_bytes = (torch.cuda.memory_allocated(self.device)
-                             if self._trace_dir is not None and self.device.type == "cuda" else 0)
-        self._module_starts = []
-        self._host_allocated_at_start = self._pool.allocated_bytes
-        t0 = time.perf_counter()
-        failed = oom = False
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(_eager(self._ex.pack),
-                                                          _eager(self._ex.unpack)):
-                yield self
-        except BaseException as e:
-            failed, oom = True, isinstance(e, _OOM)
-            raise
-        finally:
-            self._finish_step(t0, budget, failed, oom)
+            if self._runner.in_step:
+                self._runner.end_step(True)
+            self._ex.release_holds()
+        self._ex.settle()
 
     def _step_budget(self) -> Optional[int]:
         budget = self.config.budget_bytes
@@ -372,8 +455,10 @@ class Chameleon:
 
     def _finish_step(self, t0: float, budget: Optional[int], failed: bool,
                      oom: bool = False) -> None:
+        # Interrupted anywhere in here, the next step's start (or close) finishes the job.
         try:
             counters = self._ex.end_step(failed)
+            self._pool.end_step()
             memory = {}
             if self._end_needs_sync(budget):
                 self._sync_device()
@@ -393,7 +478,7 @@ class Chameleon:
             self._policy.end_step(None if failed else profile)
             report = self._policy.report()
             stats = StepStats(
-                step=len(self.history), budget_bytes=budget,
+                step=self.totals.steps, budget_bytes=budget,
                 peak_resident_bytes=counters.peak_resident_bytes, saved_bytes=counters.saved_bytes,
                 offloaded_bytes=counters.offloaded_bytes,
                 offloaded_tensors=counters.offloaded_tensors,
@@ -411,6 +496,7 @@ class Chameleon:
                 host_allocated_bytes=self._pool.allocated_bytes - self._host_allocated_at_start,
                 **_block_stats(calls, self._runner is not None))
             self.history.append(stats)
+            self.totals.add(stats)
             log.info("%s", stats)
             if self._trace_dir is not None and not failed:
                 self._write_trace(profile, stats)
@@ -421,6 +507,7 @@ class Chameleon:
                               "pass device= to manage them", RuntimeWarning, stacklevel=4)
         finally:
             self._in_step = False
+
 
     def _end_needs_sync(self, budget: Optional[int]) -> bool:
         """Whether the step's end must wait for the device. Its event timings (a detailed
@@ -505,7 +592,11 @@ def _trace_dir(value) -> Optional[Path]:
     path = Path(value)
     if path.exists() and not path.is_dir():
         raise ValueError(f"trace_dir must be a directory; {str(path)!r} is a file")
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"trace_dir={str(path)!r} could not be created ({e.strerror or e}); pass "
+                         f"a directory that exists or can be created, or None") from e
     return path
 
 
@@ -538,6 +629,7 @@ def _remove_hooks(hooks) -> None:
 # region's saved tensors still go through the pack/unpack hooks, which run eagerly.
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
 _OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
 def _first_grad_output(output) -> Optional[torch.Tensor]:

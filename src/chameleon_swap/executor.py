@@ -130,6 +130,13 @@ class Handle:
         if rec is not None:
             try:
                 self.ex._handle_gone(rec)
+            except KeyboardInterrupt:
+                # Python swallows whatever escapes __del__ ("Exception ignored in"): a Ctrl-C
+                # landing here would be lost and the release left half done. The release is
+                # finished by Executor.settle() at the next step boundary (or the next read of
+                # the engine's counters), and the engine raises the interrupt again at the end
+                # of the step (or the start of the next), outside any __del__.
+                self.ex.interrupted = True
             except Exception:  # interpreter shutdown: nothing left to account for
                 pass
 
@@ -212,10 +219,17 @@ class Executor:
         self.in_step = False
         self._holds: dict[int, int] = {}         # hold token -> bytes (see hold())
         self._next_hold = 0
+        self._earlier: set = set()               # records alive when this step began
+        self._settled_moves = 0                  # self.moves at the last settle()
+        self.interrupted = False                 # a Ctrl-C was swallowed by a Handle.__del__
 
     # ------------------------------------------------------------------ step boundaries
     def begin_step(self, budget: Optional[int]) -> None:
+        """Call settle() first (the engine does): it finishes what an interrupt cut short."""
         with self.lock:
+            # Records alive now belong to graphs of earlier steps that the caller still holds:
+            # a failure of this step must leave them alone.
+            self._earlier = set(self.live)
             self.budget = budget
             self.recompute_reserve = 0
             self.next_index = 0
@@ -225,20 +239,62 @@ class Executor:
 
     def end_step(self, failed: bool) -> StepCounters:
         with self.lock:
-            self.in_step = False
             if failed:
-                self.release_all("its step ended with an exception")
+                self._release_step("its step ended with an exception")
+            self.in_step = False
             if self.budget is not None:      # with none, the copy engine was never used
                 self.copy.synchronize()
             self._protected = weakref.WeakSet()
             self._any_protected = False
             return self.stats
 
+    def _release_step(self, why: str) -> None:
+        """Release what this step saved; records of earlier steps' graphs stay valid."""
+        for rec in [r for r in self.live if r not in self._earlier]:
+            rec.failed = f"this saved tensor was released because {why}"
+            self._release(rec)
+
     def release_all(self, why: str) -> None:
         with self.lock:
             for rec in list(self.live):
                 rec.failed = f"this saved tensor was released because {why}"
                 self._release(rec)
+
+    def settle(self) -> None:
+        """Between steps: finish whatever an asynchronous exception (a Ctrl-C) cut short, so that
+        no record, byte count or host buffer is lost to it. Python can raise KeyboardInterrupt
+        between any two bytecodes, including inside ``Handle.__del__`` (where it is swallowed)
+        and inside a release, so the incremental bookkeeping cannot be trusted to be whole after
+        one. Here it is made whole again from the records themselves: a step whose end never
+        ran releases what it saved; a record whose handles are all gone is released; the
+        residency counters are recomputed; host buffers that no record holds go back to the
+        arena. Every part is idempotent, and cheap when nothing is alive (the usual case)."""
+        with self.lock:
+            if self.in_step:
+                self.end_step(True)          # its end never ran: release what it saved
+            for rec in list(self.live):
+                if rec.state == RELEASED or not any(r() is not None for r in rec.handles):
+                    self._release(rec)
+            counted = [r for r in self.live if r.counted]
+            self.resident_bytes = sum(r.nbytes for r in counted) + sum(self._holds.values())
+            self.inflight_out_bytes = sum(r.nbytes for r in counted if r.state == OFFLOADING)
+            # Host buffers exist only where something moved (never with no budget).
+            if self.budget is not None or self.moves != self._settled_moves:
+                self.copy.synchronize()      # deferred frees run: nothing is in flight now
+                self.pool.settle([r.host for r in self.live if r.host is not None])
+            self._settled_moves = self.moves
+            # A storage that outlives its step (an input the caller keeps) would keep its
+            # released record in the dedup map, and with it the record's tickets, for as long as
+            # it lives: forget released records.
+            for storage, rec in list(self._records.items()):
+                if rec.state == RELEASED:
+                    self._records.pop(storage, None)
+
+    def release_holds(self) -> None:
+        """Stop counting every hold (between steps, when whoever held can no longer release)."""
+        with self.lock:
+            for token in list(self._holds):
+                self.release_hold(token)
 
     # ------------------------------------------------------------------ classification
     def protect_buffers(self, module: torch.nn.Module) -> None:
@@ -501,6 +557,9 @@ class Executor:
                 self.pool.release(host)
             else:
                 self.copy.defer(last, lambda: self.pool.release(host))
+        # A released record may live on (its storage is kept by the caller): hold nothing.
+        rec.out_ticket = rec.in_ticket = None
+        rec.handles = []
 
     # ------------------------------------------------------------------ version checks
 

@@ -146,6 +146,11 @@ class BlockRunner:
         self._timed: list[tuple] = []                # (call, "forward"|"recompute", start, end)
 
     @property
+    def in_step(self) -> bool:
+        """Between begin_step() and end_step()."""
+        return self._active
+
+    @property
     def recomputing(self) -> bool:
         """True while a block's recompute forward runs (in backward)."""
         return self._recomputes > 0
@@ -198,6 +203,8 @@ class BlockRunner:
             raise RuntimeError("BlockRunner.begin_step() was called twice without end_step()")
         self._step += 1
         self._active, self._detailed = True, bool(detailed)
+        # No block runs or recomputes between steps: counts an interrupt left unbalanced go.
+        self._depth = self._recomputes = 0
         self._refresh_eligible()     # the user may have turned gradient checkpointing on or off
         self._calls, self._timed = [], []
 

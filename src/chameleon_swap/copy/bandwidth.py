@@ -57,6 +57,10 @@ def resolve_device(device: DeviceLike, name: str = "device") -> torch.device:
     except (RuntimeError, ValueError) as exc:
         raise ValueError(f"{name} must be {accepted}; could not parse {device!r}") from exc
     if dev.type == "cpu":
+        if dev.index not in (None, 0):
+            # torch parses "cpu:1", but there is one CPU device: a typo for cuda:1, not a device.
+            raise ValueError(f"{name} must be {accepted}; got {device!r}, but the CPU has no "
+                             f"device index (pass 'cpu', or 'cuda:{dev.index}' for a GPU)")
         return torch.device("cpu")
     if dev.type != "cuda":
         raise ValueError(f"{name} must be {accepted}; device type {dev.type!r} is not supported")

@@ -14,7 +14,13 @@ longer than later ones when buffers were pinned per size. So host memory is kept
   up front instead, on a background thread;
 * it never holds more than ``limit_bytes`` (``host_memory_limit``). A request that cannot fit,
   even after handing back slabs that are wholly free, raises :class:`HostMemoryError` naming the
-  limit instead of stalling or crashing.
+  limit instead of stalling or crashing;
+* it does not keep memory that recent steps did not need: at each step's end, slabs with no
+  buffer in use are handed back as long as the arena stays at least as large as the most host
+  memory in use during any of the last ``TRIM_WINDOW`` (32) steps, and as ``host_memory_reserve``.
+  A workload that shrinks for good (a long sequence early, short ones after) gives its memory
+  back 32 steps later; one that varies within the window keeps what it needs and pins nothing
+  new. ``reserved_bytes`` (``Chameleon.host_bytes_reserved``) is what the arena holds.
 
 Why not PyTorch's own pinned memory alone (facts of torch 2.13's caching host allocator, which
 ``torch.empty(..., pin_memory=True)`` uses on CUDA): it rounds each request up to a power of two
@@ -34,6 +40,7 @@ allows (and why a power of two is the best ``host_memory_reserve`` on CUDA).
 from __future__ import annotations
 
 import bisect
+import collections
 import threading
 from typing import Optional
 
@@ -43,6 +50,7 @@ from ..config import format_bytes
 
 ALIGN = 4096                 # page size: every buffer starts on and spans whole pages
 MIN_SLAB_BYTES = 2**21       # the first slab: small arenas would otherwise grow in many steps
+TRIM_WINDOW = 32             # steps whose host use bounds the arena (see HostPool.end_step)
 
 _allocating = threading.local()
 
@@ -153,6 +161,9 @@ class HostPool:
             raise ValueError(f"host_memory_reserve={format_bytes(reserve_bytes)} is more than "
                              f"host_memory_limit={format_bytes(self.limit_bytes)}")
         self._slabs: list[_Slab] = []
+        self._out: set[HostBuffer] = set()     # buffers handed out (see settle)
+        self._step_peak = 0                    # most bytes in use since the last end_step
+        self._recent: collections.deque = collections.deque(maxlen=TRIM_WINDOW)
         self._lock = threading.Lock()
         self._closed = False
         self.reserved_bytes = 0     # bytes of all slabs held now (buffers in use or free)
@@ -228,7 +239,9 @@ class HostPool:
                 buf = self._take_locked(n)
                 assert buf is not None, "a new slab always fits its request"
             self.in_use_bytes += n
+            self._out.add(buf)
             self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
+            self._step_peak = max(self._step_peak, self.in_use_bytes)
             return buf
 
     def release(self, buf: HostBuffer) -> None:
@@ -236,6 +249,7 @@ class HostPool:
             if not buf.live:
                 raise RuntimeError("host arena: this buffer was already released")
             buf.live = False
+            self._out.discard(buf)
             self.in_use_bytes -= buf.capacity
             buf.slab.give(buf.offset, buf.capacity)
             if self._closed and buf.slab.free_bytes == buf.slab.size:
@@ -290,6 +304,51 @@ class HostPool:
         self._slabs.remove(slab)
         self.reserved_bytes -= slab.size
 
+    # ------------------------------------------------------------------ between steps
+    def end_step(self) -> None:
+        """Hand back wholly free slabs while the arena stays at least as large as the most in
+        use during any of the last ``TRIM_WINDOW`` steps (and as ``host_memory_reserve``):
+        the arena is bounded by what recent steps used, not by the largest step ever."""
+        with self._lock:
+            self._recent.append(self._step_peak)
+            self._step_peak = self.in_use_bytes
+            keep = max(max(self._recent), self._reserve_bytes)
+            dropped = False
+            for slab in sorted((s for s in self._slabs if s.free_bytes == s.size),
+                               key=lambda s: -s.size):
+                if self.reserved_bytes - slab.size >= keep:
+                    self._drop_locked(slab)
+                    dropped = True
+        if dropped and self.pin:
+            _empty_host_cache()   # torch caches freed pinned blocks: give the pages back
+
+    def settle(self, held) -> None:
+        """With no copy in flight: make the accounting whole after an asynchronous exception
+        (a Ctrl-C) cut an acquire, a release or a deferred release short. ``held`` are the
+        buffers records still hold; every other buffer handed out is returned, and the free
+        ranges and byte counts are rebuilt from the buffers that remain."""
+        held = {id(b) for b in held}
+        with self._lock:
+            for b in self._out:
+                if id(b) not in held:
+                    b.live = False           # its record is gone: a late release is an error
+            self._out = {b for b in self._out if b.live}
+            for slab in self._slabs:
+                taken = sorted((b.offset, b.capacity) for b in self._out if b.slab is slab)
+                starts, free, at = [], {}, 0
+                for off, cap in taken + [(slab.size, 0)]:
+                    if off > at:
+                        starts.append(at)
+                        free[at] = off - at
+                    at = max(at, off + cap)
+                slab._starts, slab._free = starts, free
+                slab.free_bytes = sum(free.values())
+            self.in_use_bytes = sum(b.capacity for b in self._out)
+            self._step_peak = max(self._step_peak, self.in_use_bytes)
+            if self._closed:
+                for slab in [s for s in self._slabs if s.free_bytes == s.size]:
+                    self._drop_locked(slab)
+
     # ------------------------------------------------------------------ teardown
     def clear(self) -> None:
         """Hand back every slab with no buffer in use (slabs in use stay until they empty)."""
@@ -307,6 +366,10 @@ class HostPool:
             self._closed = True
         self.clear()
         if self.pin:
-            empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
-            if empty is not None:
-                empty()
+            _empty_host_cache()
+
+
+def _empty_host_cache() -> None:
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+    if empty is not None:
+        empty()
