@@ -23,6 +23,7 @@ from .config import (DEFAULT_HISTORY_SIZE, DEFAULT_MIN_TENSOR_BYTES, EngineConfi
                      format_bytes)
 from .copy import make_copy_engine
 from .copy.bandwidth import cached_bandwidth, resolve_device
+from ._eager import eager
 from .copy.host_pool import HostPool
 from .executor import Executor
 from .history import StepHistory, StepTotals
@@ -203,8 +204,16 @@ class Chameleon:
         # After the copy engine: on CUDA the context exists before the reserve thread pins.
         self._pool = HostPool(self.config.host_memory_limit_bytes, pin=self.device.type == "cuda",
                               reserve_bytes=self.config.host_memory_reserve_bytes)
-        self._ex = Executor(self.device, self._copy, self._pool, self.config.min_tensor_bytes)
+        limit = self.config.device_memory_limit_bytes
+        # Nothing can ever move: no budget now or later (a memory limit derives one per step),
+        # no blocks to recompute, no trace to time. Such an engine takes the resident-only hooks
+        # (resident.py) and no module hooks but the buffer one.
+        self._resident_only = (self.config.budget_bytes is None and limit is None
+                               and model is None and self._trace_dir is None)
+        self._ex = Executor(self.device, self._copy, self._pool, self.config.min_tensor_bytes,
+                            resident_only=self._resident_only)
         self._profiler = Profiler(self.device)
+        self._profiler.saves_only = self._resident_only
         self._ex.profiler = self._profiler
         self._policy = make_policy(self.config.policy, self._ex,
                                    cache_size=self.config.plan_cache_size)
@@ -213,15 +222,12 @@ class Chameleon:
         self._runner = self._make_runner(model, blocks)
         self._prev_ids: Optional[list] = None
         self._state_bytes = 0                     # device bytes allocated when a step began
-        # Global module hooks, registered once for the engine's life and idle outside a step:
-        # re-registering them every step would change the hook ids torch.compile guards on and
-        # recompile every compiled module every step.
-        # They hold the engine weakly, so an engine never closed can still be collected.
-        self._hooks = [torch.nn.modules.module.register_module_forward_pre_hook(
-                           _weak_hook(self._module_pre)),
-                       torch.nn.modules.module.register_module_forward_hook(
-                           _weak_hook(self._module_post))]
+        self._hooks = self._register_module_hooks()
         weakref.finalize(self, _remove_hooks, list(self._hooks))
+        if self._resident_only:
+            from .resident import resident_hooks
+            self._ex.pack, self._ex.unpack = resident_hooks(self._ex)
+        self._saved_hooks: tuple = ()             # (pack, unpack, their eager wrappers)
         self.history: StepHistory = StepHistory(self.config.history_size)
         self.totals = StepTotals()
         self._in_step = False
@@ -229,7 +235,6 @@ class Chameleon:
         self._step_hooks: Optional[tuple] = None  # this step's (pack, unpack) hooks
         self._closed = False
         self._module_starts: list[int] = []
-        limit = self.config.device_memory_limit_bytes
         self._memory = DeviceMemoryBudget(limit) if limit is not None else None
         self._warned_foreign = False
 
@@ -374,7 +379,7 @@ class Chameleon:
             self._host_allocated_at_start = self._pool.allocated_bytes
             t0 = time.perf_counter()
             failed = oom = False
-            self._step_hooks = (_eager(self._ex.pack), _eager(self._ex.unpack))
+            self._step_hooks = self._saved_tensor_hooks()
             try:
                 with torch.autograd.graph.saved_tensors_hooks(*self._step_hooks):
                     yield self
@@ -426,6 +431,14 @@ class Chameleon:
                 self._runner.end_step(True)
             self._ex.release_holds()
         self._ex.settle()
+
+    def _saved_tensor_hooks(self) -> tuple:
+        """The executor's pack and unpack hooks, kept out of torch.compile (``eager``); looked up
+        at every step (tests wrap them), wrapped again only when they changed."""
+        pack, unpack = self._ex.pack, self._ex.unpack
+        if self._saved_hooks[:2] != (pack, unpack):
+            self._saved_hooks = (pack, unpack, eager(pack), eager(unpack))
+        return self._saved_hooks[2:]
 
     def _step_budget(self) -> Optional[int]:
         budget = self.config.budget_bytes
@@ -533,6 +546,31 @@ class Chameleon:
                    link=self._bandwidth(), model_state_bytes=self._state_bytes)
 
     # ------------------------------------------------------------------ module hooks
+    def _register_module_hooks(self) -> list:
+        """Global module hooks, registered once for the engine's life and idle outside a step:
+        re-registering them every step would change the hook ids torch.compile guards on and
+        recompile every compiled module every step. They hold the engine weakly, so an engine
+        never closed can still be collected.
+
+        Any global module hook sends every module call in the process through torch's slow call
+        path (about 1 us per call before the hook runs). An engine that never moves needs none
+        of what they serve (module events for keys and signatures, backward triggers for copies
+        back, the memory limit's progress) but the buffer check: buffers are neither parameters
+        nor leaves that require grad, and only the module that holds them knows them. It gets
+        that one hook, registered at creation as the others are (so compile guards never see
+        the hooks change); its profiles then know saves by order alone."""
+        if self._resident_only:
+            return [torch.nn.modules.module.register_module_forward_pre_hook(
+                _weak_hook(self._module_buffers))]
+        return [torch.nn.modules.module.register_module_forward_pre_hook(
+                    _weak_hook(self._module_pre)),
+                torch.nn.modules.module.register_module_forward_hook(
+                    _weak_hook(self._module_post))]
+
+    def _module_buffers(self, module: torch.nn.Module, args) -> None:
+        if self._in_step and module._buffers and not _is_compiling():
+            self._ex.protect_buffers(module)
+
     def _block_mode(self, b: int) -> str:
         return self._policy.block_mode(b, self._runner.input_bytes)
 
@@ -600,14 +638,6 @@ def _trace_dir(value) -> Optional[Path]:
     return path
 
 
-def _eager(fn):
-    """Keep torch.compile from tracing into the engine's hooks: they run eagerly (one graph break
-    each) instead of being inlined, so dynamo never holds the engine's objects in its tracing
-    state nor guards on them."""
-    disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    return disable(fn) if disable is not None else fn
-
-
 def _weak_hook(method):
     # A weak reference to the object and the plain function: cheaper per call than a
     # WeakMethod, which builds a new bound method every time (these run on every module call).
@@ -617,7 +647,7 @@ def _weak_hook(method):
         obj = ref()
         if obj is not None:
             return fn(obj, *args)
-    return _eager(hook)
+    return eager(hook)
 
 
 def _remove_hooks(hooks) -> None:

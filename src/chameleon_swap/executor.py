@@ -40,7 +40,7 @@ UNMARKED = "unmarked"
 class Record:
     __slots__ = ("index", "nbytes", "small", "state", "device", "host", "ready", "out_ticket",
                  "in_ticket", "handles", "live", "counted", "keep_on_device", "failed", "key", "used",
-                 "__weakref__")
+                 "storage", "__weakref__")
 
     def __init__(self, index: int, nbytes: int, small: bool, device: Optional[torch.Tensor],
                  ready: object) -> None:
@@ -62,6 +62,8 @@ class Record:
         self.failed: Optional[str] = None
         self.key = None               # the profiler's TensorKey (identity across iterations)
         self.used = False             # backward has needed it this step
+        self.storage = None           # its storage object, for an executor whose records never
+                                      # move (resident.py: the map is a plain dict, popped at release)
 
 
 class Handle:
@@ -188,16 +190,25 @@ def _make_witness(alias: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 def _version_error(h: Handle, now: int) -> RuntimeError:
+    return _inplace_error(h.describe(), h.version, now)
+
+
+def version_error(t: torch.Tensor, expected: int, now: int) -> RuntimeError:
+    """Autograd's in-place error for saved tensor ``t`` (still on the device)."""
+    return _inplace_error(f"[{t.dtype} {list(t.size())}]", expected, now)
+
+
+def _inplace_error(what: str, expected: int, now: int) -> RuntimeError:
     return RuntimeError(
         "one of the variables needed for gradient computation has been modified by an inplace "
-        f"operation: {h.describe()} is at version {now}; expected version "
-        f"{h.version} instead. (Detected by chameleon-swap, which checks the version that autograd "
+        f"operation: {what} is at version {now}; expected version "
+        f"{expected} instead. (Detected by chameleon-swap, which checks the version that autograd "
         "cannot check for hooked saved tensors.)")
 
 
 class Executor:
     def __init__(self, device: torch.device, copy: CopyEngine, pool: HostPool,
-                 min_tensor_bytes: int) -> None:
+                 min_tensor_bytes: int, resident_only: bool = False) -> None:
         self.device = device
         self.copy = copy
         self.pool = pool
@@ -206,8 +217,11 @@ class Executor:
         self.profiler = None                     # set by the engine (sees every save and use)
         self.budget: Optional[int] = None        # this step's budget in bytes
         self.lock = threading.RLock()
-        self._records: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-        self._protected: "weakref.WeakSet" = weakref.WeakSet()   # buffer storages seen this step
+        # Storage object -> record. Weakly keyed: a record that moved must not keep its device
+        # storage alive. An executor whose records never move (``resident_only``: resident.py's
+        # hooks) keys a plain dict and pops at release: cheaper, same identity.
+        self._records = {} if resident_only else weakref.WeakKeyDictionary()
+        self._protected: dict = {}               # buffer storages seen this step: id -> weakref
         self._any_protected = False
         self.live: set[Record] = set()           # records with live handles (any step)
         self.resident_bytes = 0
@@ -244,7 +258,7 @@ class Executor:
             self.in_step = False
             if self.budget is not None:      # with none, the copy engine was never used
                 self.copy.synchronize()
-            self._protected = weakref.WeakSet()
+            self._protected = {}
             self._any_protected = False
             return self.stats
 
@@ -273,7 +287,11 @@ class Executor:
             if self.in_step:
                 self.end_step(True)          # its end never ran: release what it saved
             for rec in list(self.live):
-                if rec.state == RELEASED or not any(r() is not None for r in rec.handles):
+                # Records of the resident-only hooks (resident.py) have no Handles: their
+                # saved tuples keep ``live`` themselves.
+                gone = (not any(r() is not None for r in rec.handles) if rec.handles
+                        else rec.live <= 0)
+                if rec.state == RELEASED or gone:
                     self._release(rec)
             counted = [r for r in self.live if r.counted]
             self.resident_bytes = sum(r.nbytes for r in counted) + sum(self._holds.values())
@@ -298,10 +316,20 @@ class Executor:
 
     # ------------------------------------------------------------------ classification
     def protect_buffers(self, module: torch.nn.Module) -> None:
+        protected = self._protected
         for b in module._buffers.values():
             if b is not None:
-                self._protected.add(b.untyped_storage())
-                self._any_protected = True    # a flag: a WeakSet's len() is Python code
+                s = b.untyped_storage()
+                ref = protected.get(id(s))
+                if ref is None or ref() is not s:
+                    # By id, checked through a weak reference: a WeakSet's membership test is
+                    # Python code that makes a weak reference per test, once per saved tensor.
+                    protected[id(s)] = weakref.ref(s)
+                self._any_protected = True
+
+    def _is_protected(self, storage) -> bool:
+        ref = self._protected.get(id(storage))
+        return ref is not None and ref() is storage
 
     def _is_state(self, t: torch.Tensor) -> bool:
         """Parameters, user leaves that require grad, buffers and views of any of these: they stay
@@ -311,7 +339,7 @@ class Executor:
         # isinstance check of Parameter's metaclass.
         if base.is_leaf and (base.requires_grad or isinstance(base, torch.nn.Parameter)):
             return True
-        return self._any_protected and t.untyped_storage() in self._protected
+        return self._any_protected and self._is_protected(t.untyped_storage())
 
     # ------------------------------------------------------------------ pack
     def pack(self, t: torch.Tensor):
@@ -540,6 +568,10 @@ class Executor:
         prev = rec.state
         rec.state = RELEASED
         self.live.discard(rec)
+        if rec.storage is not None:
+            if self._records.get(rec.storage) is rec:
+                del self._records[rec.storage]
+            rec.storage = None
         for ref in rec.handles:
             h = ref()
             if h is not None:

@@ -103,6 +103,13 @@ class Profiler:
         self._clock = _CudaClock(device) if device.type == "cuda" else _CpuClock()
         self.detailed = False
         self.last_profile: Optional[StepProfile] = None
+        # saves_only: the engine never moves anything and sends no module events; its hooks
+        # (resident.py) append one raw tuple per save to ``raw`` (dtype, storage bytes, and the
+        # shape when the save starts a record), turned into ids and keys at ``finish``: the
+        # same ids ``on_save`` gives with no module running.
+        self.saves_only = False
+        self._prev_raw: Optional[list] = None
+        self._prev_out: tuple = ()
         self._reset()
 
     def _reset(self) -> None:
@@ -117,6 +124,7 @@ class Profiler:
         self._held: list[tuple[int, int]] = []  # (slot, bytes held from then on) per change
         self._seconds = 0.0
         self._t0 = 0.0
+        self.raw: list = []
 
     # ------------------------------------------------------------------ step boundaries
     def begin_step(self, detailed: bool) -> None:
@@ -128,6 +136,8 @@ class Profiler:
 
     def finish(self, step_seconds: float) -> StepProfile:
         t = time.perf_counter()
+        if self.saves_only:
+            self._from_raw()
         n = len(self.nbytes)
         rank = {rec: r for r, rec in enumerate(self.used)}
         n_used = len(self.used)
@@ -146,6 +156,29 @@ class Profiler:
                            profiler_seconds=self._seconds,
                            reserve=_per_slot(self._held, len(compute)))
         return self.last_profile
+
+    def _from_raw(self) -> None:
+        """``ids``, ``keys`` and ``nbytes`` from ``raw`` (saves_only). A step whose saves are
+        those of the previous step, the common case, reuses its lists (one list comparison)."""
+        raw = self.raw
+        if raw == self._prev_raw:
+            self.ids, self.keys, self.nbytes = self._prev_out
+            return
+        ids, keys, nbytes = [], [], []
+        vid = self.vocab.id
+        for ordinal, ev in enumerate(raw):
+            dt, nb = ev[0], ev[1]
+            dtype = _DTYPE_NAMES.get(dt) or _DTYPE_NAMES.setdefault(dt, str(dt))
+            cls = _SIZE_CLASSES.get(nb)
+            if cls is None:
+                cls = _size_class(nb)
+            new = len(ev) == 3
+            ids.append(vid(("s", -1, 0, ordinal, dtype, cls, new)))
+            if new:
+                keys.append(_new_key((-1, 0, ordinal, dtype, tuple(ev[2]))))
+                nbytes.append(nb)
+        self._prev_raw, self._prev_out = raw, (ids, keys, nbytes)
+        self.ids, self.keys, self.nbytes = ids, keys, nbytes
 
     def _estimate(self, n: int, step_seconds: float) -> list[float]:
         """Slot times from limited information: work proportional to the bytes a slot saves in
@@ -196,9 +229,7 @@ class Profiler:
             nbytes = t.untyped_storage().nbytes()
         cls = _SIZE_CLASSES.get(nbytes)
         if cls is None:
-            cls = size_class(nbytes)
-            if len(_SIZE_CLASSES) < _SIZE_CLASSES_MAX:
-                _SIZE_CLASSES[nbytes] = cls
+            cls = _size_class(nbytes)
         self.ids.append(self.vocab.id(("s", uid, call, ordinal, dtype, cls, new_record)))
         key = None
         if new_record:
@@ -231,6 +262,13 @@ class Profiler:
     def clock(self):
         """``mark()`` / ``seconds(marks)`` on this device (CUDA events read after the step)."""
         return self._clock
+
+
+def _size_class(nbytes: int) -> int:
+    cls = size_class(nbytes)
+    if len(_SIZE_CLASSES) < _SIZE_CLASSES_MAX:
+        _SIZE_CLASSES[nbytes] = cls
+    return cls
 
 
 def _per_slot(changes: list[tuple[int, int]], n_slots: int) -> list[int]:

@@ -1,0 +1,138 @@
+"""The saved-tensor hooks of an engine that can never move anything.
+
+An engine with no budget, no ``device_memory_limit``, no ``model=`` and no
+``trace_dir`` never copies, plans or times anything: every saved tensor stays where autograd put
+it. What is left to do per saved tensor is what ``StepStats`` and the profile report: dedup by
+storage object (``saved_bytes``, ``peak_resident_bytes``, exact), parameters, leaves that require
+grad and buffers skipped (``skipped_bytes``), the version check autograd cannot make for hooked
+saved tensors (LESSONS 11), and the order of saves and first uses. These hooks do only that, on the
+executor's own records and counters, in fewer Python steps than ``Executor.pack``/``unpack``:
+
+* a saved tensor is a ``_Saved`` tuple (alias, version, record, executor) whose ``__del__`` tells
+  the executor, instead of a ``Handle`` (no geometry, weak references or witness: they serve
+  moves); a parameter or buffer is a plain ``(alias, version)`` tuple (nothing to account for);
+* the storage -> record map is a plain dict holding the storage object, popped when the record is
+  released (a record's handles hold its storage anyway; identity stays the object's, LESSONS 5);
+* no policy call, no copy engine, no ready marker;
+* the profiler gets one raw tuple per save, turned into event ids at the step's end
+  (``Profiler.finish``): no module events (the engine registers no module hooks but the buffer
+  one), so keys and signatures are by save order alone.
+
+Tensors of other devices, subclasses and sparse layouts take the executor's full path, as does
+anything the executor must raise about.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._eager import frame_callback, mark_eager
+from .executor import RELEASED, UNMARKED, Executor, Record, version_error
+
+
+class _Saved(tuple):
+    """What autograd keeps for one saved activation: (alias, version at save, record, gone).
+    The alias is a detached alias of the saved tensor (see ``Handle.tensor``: no reference
+    cycle through a saved output's ``grad_fn``); ``gone(record)`` is called when it dies."""
+
+    __slots__ = ()
+
+    def __del__(self) -> None:
+        try:
+            self[3](self[2])
+        except Exception:  # interpreter shutdown: nothing left to account for
+            pass
+
+
+def resident_hooks(ex: Executor):
+    """``(pack, unpack)`` for ``saved_tensors_hooks`` on an executor that never moves: records
+    in a plain dict, the profiler in ``saves_only`` mode."""
+    if not isinstance(ex._records, dict):
+        raise RuntimeError("chameleon-swap: internal error: resident hooks need an executor made "
+                           "with resident_only=True")
+    device, records, lock, live, prof = ex.device, ex._records, ex.lock, ex.live, ex.profiler
+    full_pack, full_unpack = ex.pack, ex.unpack
+    Tensor, Parameter, strided = torch.Tensor, torch.nn.Parameter, torch.strided
+
+    def gone(rec: Record) -> None:
+        """A saved tensor's last reference died (Executor._handle_gone and _release, for a
+        record that never left the device). Under the lock: it may die on any thread (an
+        autograd device thread, a garbage collection)."""
+        with lock:
+            rec.live -= 1
+            if rec.live == 0 and rec.state != RELEASED:
+                if rec.counted:
+                    rec.counted = False
+                    ex.resident_bytes -= rec.nbytes
+                rec.state = RELEASED
+                live.discard(rec)
+                if records.get(rec.storage) is rec:
+                    del records[rec.storage]
+                rec.storage = None
+
+    def pack(t):
+        if frame_callback() is not None:          # called from compiled code: see _eager.py
+            return disabled_pack(t)
+        if (type(t) is not Tensor and type(t) is not Parameter) or t.device != device \
+                or t.layout != strided:
+            return full_pack(t)                   # another device, a subclass, sparse
+        version = t._version
+        alias = t.detach()
+        base = t._base
+        if base is None:
+            base = t
+        storage = t.untyped_storage()
+        # Parameters are leaves: is_leaf first spares activations Parameter's isinstance.
+        if (base.is_leaf and (base.requires_grad or isinstance(base, Parameter))) \
+                or (ex._any_protected and ex._is_protected(storage)):
+            nbytes = storage.nbytes()
+            with lock:
+                ex.stats.skipped_bytes += nbytes
+            prof.raw.append((t.dtype, nbytes))
+            return (alias, version)
+        with lock:
+            rec = records.get(storage)            # present: not released (popped then)
+            if rec is not None:
+                rec.live += 1
+                prof.raw.append((t.dtype, rec.nbytes))
+                return _Saved((alias, version, rec, gone))
+            nbytes = storage.nbytes()
+            rec = Record(ex.next_index, nbytes, nbytes < ex.min_tensor_bytes, None, UNMARKED)
+            ex.next_index += 1
+            rec.storage = storage
+            rec.live = 1
+            records[storage] = rec
+            live.add(rec)
+            stats = ex.stats
+            stats.saved_bytes += nbytes
+            rec.counted = True                    # Executor._count, inlined
+            resident = ex.resident_bytes + nbytes
+            ex.resident_bytes = resident
+            if resident > stats.peak_resident_bytes:
+                stats.peak_resident_bytes = resident
+            prof.raw.append((t.dtype, nbytes, t.shape))
+            return _Saved((alias, version, rec, gone))
+
+    def unpack(h):
+        if frame_callback() is not None:
+            return disabled_unpack(h)
+        if type(h) is _Saved:
+            t, version, rec, _ = h
+            if rec.state == RELEASED:             # released_all: a failed step, a closed engine
+                raise RuntimeError(f"chameleon-swap: {rec.failed}")
+            now = t._version
+            if now != version:
+                raise version_error(t, version, now)
+            if not rec.used:                      # one device's backward runs on one thread
+                rec.used = True
+                prof.used.append(rec.index)
+            return t
+        if type(h) is tuple:                      # a parameter or buffer
+            t, version = h
+            if t._version != version:
+                raise version_error(t, version, t._version)
+            return t
+        return full_unpack(h)
+
+    pack, disabled_pack = mark_eager(pack)
+    unpack, disabled_unpack = mark_eager(unpack)
+    return pack, unpack
