@@ -237,7 +237,9 @@ def test_engine_lowers_its_budget_in_forward_and_reports_it(monkeypatch, one_int
                               max_seq_len=64))
     ref = copy.deepcopy(model)
     tokens = {"n": 0}
-    eng = cs.Chameleon(None, device="cpu", min_tensor_bytes=0, policy="guard")
+    # A budget that never binds (the derived one is always smaller): an engine made with no
+    # budget and no limit can never move anything and takes hooks that cannot.
+    eng = cs.Chameleon(2**40, device="cpu", min_tensor_bytes=0, policy="guard")
     eng._memory = DeviceMemoryBudget(3_000_000, min_margin_bytes=0)
     fake = types.SimpleNamespace(
         memory_allocated=lambda d=None: 0, reset_peak_memory_stats=lambda d=None: None,
