@@ -86,13 +86,18 @@ def reading(hw, eng_layers: int) -> str:
     """Why the engine stops where it does: model states alone at the next size up."""
     nxt = simulate_pipeline(_cfg(eng_layers + LAYER_STEP), hw, PP, MICRO, "chronos", "engine")
     states = max(r.state_bytes for r in nxt.ranks)
+    if states <= hw.usable_bytes:
+        return (f"On {hw.name} the engine's largest model is bounded by its activation budget: "
+                f"at {eng_layers + LAYER_STEP} layers the model states take "
+                f"{format_bytes(states)} of {format_bytes(hw.usable_bytes)} and what is left does "
+                f"not hold one block's activations.")
     return (f"On {hw.name} the engine's largest model is bounded by model states, not by "
             f"activations: at {eng_layers + LAYER_STEP} layers a rank's weights, gradients and "
             f"optimizer states alone take {format_bytes(states)} of "
-            f"{format_bytes(hw.usable_bytes)} usable. Activations cost nothing in size once they "
-            f"can go to the host; going further needs the model states off the device too "
-            f"(ChronosPipe's weight offload, not implemented here, or ZeRO sharding), which is "
-            f"how the paper reaches 2.4x.")
+            f"{format_bytes(hw.usable_bytes)} usable. Once activations can go to the host they "
+            f"no longer bound the size; going further needs the model states off the device too "
+            f"(ChronosPipe's Chronos-Offload also moves weights; not implemented here) or "
+            f"sharded (ZeRO).")
 
 
 def per_rank(hw) -> str:
