@@ -238,3 +238,66 @@ def test_per_rank_peaks(results):
     one, v = peaks["1f1b"], peaks["chronos"]
     assert one[0] > one[-1]
     assert max(v) / min(v) < max(one) / min(one)
+
+
+# ---------------------------------------------------------------------------- in one process
+class _FakeStage:
+    """What PipelineChameleon uses of a PipelineStage: index, rank and the two chunk methods."""
+
+    def __init__(self, stage_index: int, group_rank: int = 0):
+        self.stage_index, self.group_rank = stage_index, group_rank
+        self.calls: list = []
+
+    def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
+        self.calls.append(("F", fwd_chunk_id))
+        return fwd_chunk_id
+
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True,
+                           last_backward=False):
+        self.calls.append(("B", bwd_chunk_id))
+
+
+class _FakeSchedule:
+    def __init__(self, stage, order=None, n=3):
+        self._stage, self._n_microbatches = stage, n
+        if order is not None:
+            self.pipeline_order = order
+
+
+def test_attach_tags_actions_and_records_a_timeline():
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+    from chameleon_swap.pipeline import PipelineChameleon, schedule_positions
+    F, B = _ComputationType.FORWARD, _ComputationType.FULL_BACKWARD
+    stage = _FakeStage(0)
+    order = {0: [_Action(0, F, 0), _Action(0, F, 1), _Action(0, B, 0), None, _Action(0, B, 1)]}
+    sched = _FakeSchedule(stage, order, n=2)
+    assert schedule_positions(sched) == {(0, 0): 2, (0, 1): 4}
+    assert schedule_positions(_FakeSchedule(_FakeStage(3))) == {(3, 0): 0, (3, 1): 1, (3, 2): 2}
+    original = stage.forward_one_chunk
+    with PipelineChameleon(sched, "1MiB", device="cpu") as eng:
+        pol = eng.engine.policy_object
+        assert pol.positions == {(0, 0): 2, (0, 1): 4}
+        with eng.step():
+            assert stage.forward_one_chunk(1, ()) == 1          # runs the real method
+            assert pol.current == (0, 1)
+            stage.backward_one_chunk(0, last_backward=True)
+            assert pol.current == (0, 0)
+        assert [a for _, a, _ in eng.timeline] == ["0F1", "0B0"]
+        assert stage.calls == [("F", 1), ("B", 0)]
+        assert eng.last_step.plan_source == "schedule"
+        with pytest.raises(RuntimeError, match="between steps"):
+            with eng.step():
+                eng.attach(sched)
+    assert stage.forward_one_chunk == original                # close() unwraps
+
+
+def test_clear_errors():
+    from chameleon_swap.pipeline import PipelineChameleon, chronos_stage_indices
+    assert chronos_stage_indices(1, 4) == (1, 6)
+    with pytest.raises(ValueError, match="rank must be in"):
+        chronos_stage_indices(4, 4)
+    with pytest.raises(ValueError, match="do not pass policy="):
+        PipelineChameleon(_FakeSchedule(_FakeStage(0)), policy="guard")
+    with pytest.raises(TypeError, match="schedule must be a torch.distributed.pipelining"):
+        PipelineChameleon(object(), device="cpu")

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from typing import Iterator, Optional
 
 from torch.distributed.pipelining.schedules import (
@@ -125,11 +126,16 @@ class PipelineChameleon:
     def __init__(self, schedule, budget=None, *, device_memory_limit=None, **engine_kwargs):
         if "policy" in engine_kwargs:
             raise ValueError("PipelineChameleon runs the 'schedule' policy; do not pass policy=")
+        _schedule_stages(schedule)          # a clear error before any engine is made
         self.engine = Chameleon(budget, device_memory_limit=device_memory_limit,
                                 policy="schedule", **engine_kwargs)
         self._policy = self.engine.policy_object
         self._wrapped: list = []
         self._in_step = False
+        self._t0 = 0.0
+        # The last step's actions on this rank: (seconds since the step began, "1F0"-style
+        # action, saved-activation bytes resident after it), for plots of memory over time.
+        self.timeline: list[tuple[float, str, int]] = []
         self.attach(schedule)
 
     # ------------------------------------------------------------------ wiring
@@ -151,11 +157,20 @@ class PipelineChameleon:
         # stage's loss is computed after forward_one_chunk returns and is tagged with it too.
         self._policy.current = (stage_index, chunk_id)
         out = fn(chunk_id, *args, **kwargs)
-        # Copies back for the coming backwards start now, while this rank sends, receives or
-        # waits for the next stage.
         if self._in_step:
+            kind = "B" if fn.__name__ == "backward_one_chunk" else "F"
+            self.timeline.append((time.perf_counter() - self._t0,
+                                  f"{stage_index}{kind}{chunk_id}", self.engine.resident_bytes))
+            # Copies back for the coming backwards start now, while this rank sends, receives or
+            # waits for the next stage.
             self._policy.prefetch()
         return out
+
+    def detach(self) -> None:
+        """Stop following the schedule (its stages run unwrapped) until the next ``attach``."""
+        if self._in_step:
+            raise RuntimeError("detach() between steps, not inside eng.step()")
+        self._unwrap()
 
     def _unwrap(self) -> None:
         for stage, fwd, bwd in self._wrapped:
@@ -168,6 +183,8 @@ class PipelineChameleon:
         """One schedule step on this rank: every micro-batch's forward and backward."""
         with self.engine.step():
             self._in_step = True
+            self.timeline = []
+            self._t0 = time.perf_counter()
             try:
                 yield self
             finally:
