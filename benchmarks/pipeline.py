@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import socket
 import sys
 import tempfile
@@ -55,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     a = p.parse_args(argv)
     size = dict(dim=64, layers=4, seq=64, micro=2, reps=2) if a.quick else \
-        dict(dim=256, layers=8, seq=256, micro=4, reps=5)
+        dict(dim=256, layers=4, seq=256, micro=2, reps=5)
     a.size = size
     a.reps = a.reps if a.reps is not None else size["reps"]
     a.micro_batches = a.micro_batches or 2 * a.world
@@ -104,6 +105,8 @@ def _child(rank: int, a, port: int, out_dir: str) -> None:
 
     from chameleon_swap.pipeline import PipelineChameleon, ScheduleChronos, chronos_stage_indices
     from chameleon_swap.workloads.pipeline import llama_loss
+    # The ranks share the machine's cores: one compute thread each unless there are more cores.
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // (2 * a.world)))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=a.world, timeout=datetime.timedelta(seconds=300))
     try:
@@ -142,7 +145,8 @@ def _child(rank: int, a, port: int, out_dir: str) -> None:
         probe = PipelineChameleon(scheds["1f1b"], None, device="cpu", min_tensor_bytes=0)
         natural, timelines = {}, {}
         for mode in ("1f1b", "1f1b+recompute", "chronos"):
-            step(mode, probe)
+            for _ in range(2):          # the first step of a schedule also sizes its buffers
+                step(mode, probe)
             natural[mode] = probe.last_step.peak_resident_bytes
             timelines[mode] = probe.timeline
         probe.close()
@@ -239,7 +243,8 @@ def markdown(a, ranks: list, sim: dict) -> str:
     text = (f"# pipeline on {ranks[0]['device_name']}\n\n{a.world} ranks (gloo), "
             f"{a.micro_batches} micro-batches of {a.size['micro']} x {a.size['seq']} tokens, "
             f"Llama dim {a.size['dim']}, {a.size['layers']} layers; medians of {a.reps} "
-            f"repetitions; losses identical in every mode: "
+            f"repetitions; load average {ranks[0]['load']:.1f} at the end; losses identical in "
+            f"every mode: "
             f"{'yes' if all(r['losses_equal'] for r in ranks) else 'NO'}\n\n")
     text += C.markdown_table(["mode", "rank", "peak MiB", "budget MiB", "step ms", "vs 1f1b"],
                              rows)
@@ -281,7 +286,9 @@ def main(argv=None) -> int:
     device = torch.device("cpu")
     ranks = _spawn(a)
     env = C.environment(device)
+    env["load_average_at_end"] = os.getloadavg()[0]
     ranks[0]["device_name"] = env["device_name"]
+    ranks[0]["load"] = env["load_average_at_end"]
     sim = simulated()
     payload = {"environment": env,
                "config": {"world": a.world, "micro_batches": a.micro_batches, "reps": a.reps,

@@ -22,7 +22,10 @@ Per rank, in a few lines::
     with PipelineChameleon(schedule, budget="6GiB") as eng:   # or device_memory_limit="70GiB"
         for x, y in loader:
             with eng.step():               # one schedule step: all micro-batches on this rank
-                schedule.step(x, target=y, losses=(losses := []))
+                if rank == 0:
+                    schedule.step(x, target=y)
+                else:
+                    schedule.step(target=y)
             opt.step(); opt.zero_grad()
             print(eng.last_step)           # this rank's StepStats: peak, moved bytes, ...
 
