@@ -1,8 +1,9 @@
 """The engine on every rank of a pipeline (``chameleon_swap.pipeline``), CPU, gloo, 2 ranks.
 
 A 4-block Llama is cut into stages and trained 3 steps, with a different sequence length every
-step, under PyTorch's ``Schedule1F1B`` (2 stages, one per rank) and under ``ScheduleChronos``
-(4 stages in a V, two per rank), 4 micro-batches per step; once without the engine and once
+step, under PyTorch's ``Schedule1F1B`` (2 stages, one per rank), under ``ScheduleChronos``
+(4 stages in a V, two per rank) and under PyTorch's ``ScheduleInterleaved1F1B`` (4 stages round
+robin; with no budget and at 0% only, to keep the job short), 4 micro-batches per step; once without the engine and once
 with a ``PipelineChameleon`` on every rank holding a budget of 25% and of 0% of that rank's
 natural peak. Every micro-batch's loss and every gradient must be ``torch.equal`` to the same
 micro-batch accumulation run in one process (the stages' ops are the model's ops and each
@@ -43,8 +44,9 @@ COLLECTIVE_TIMEOUT_S = 60
 COPY_DELAY_S = "0.0005"
 TINY = dict(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=64)
 SEQ_LENS = (16, 24, 12)
-SCHEDULES = ("1f1b", "chronos")
+SCHEDULES = ("1f1b", "chronos", "interleaved")
 BUDGETS = {"none": None, "25%": 0.25, "0%": 0.0}
+SHORT = ("interleaved",)         # PyTorch's interleaved 1F1B: no budget and 0% only (time)
 
 
 def _batches():
@@ -89,14 +91,16 @@ def reference() -> list:
 
 # ---------------------------------------------------------------------------- in the children
 def _train(rank: int, schedule: str, budget) -> dict:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
+                                              ScheduleInterleaved1F1B)
 
     from chameleon_swap.pipeline import PipelineChameleon, ScheduleChronos, chronos_stage_indices
 
     model = _model()
     n_stages = WORLD if schedule == "1f1b" else 2 * WORLD
     parts = split_llama(model, n_stages)
-    mine = [rank] if schedule == "1f1b" else list(chronos_stage_indices(rank, WORLD))
+    mine = ([rank] if schedule == "1f1b" else [rank, rank + WORLD] if schedule == "interleaved"
+            else list(chronos_stage_indices(rank, WORLD)))
     eng = None
     res = {"losses": [], "grads": [], "stats": [], "budget": budget}
     try:
@@ -104,9 +108,11 @@ def _train(rank: int, schedule: str, budget) -> dict:
             # A new sequence length needs new stages (PyTorch sizes its buffers once per stage);
             # the engine follows the new schedule with attach().
             stages = [PipelineStage(parts[i], i, n_stages, torch.device("cpu")) for i in mine]
-            sched = (Schedule1F1B(stages[0], n_microbatches=MICRO, loss_fn=llama_loss)
-                     if schedule == "1f1b" else
-                     ScheduleChronos(stages, n_microbatches=MICRO, loss_fn=llama_loss))
+            make = {"1f1b": lambda st: Schedule1F1B(st[0], MICRO, loss_fn=llama_loss),
+                    "interleaved": lambda st: ScheduleInterleaved1F1B(st, MICRO,
+                                                                      loss_fn=llama_loss),
+                    "chronos": lambda st: ScheduleChronos(st, MICRO, loss_fn=llama_loss)}
+            sched = make[schedule](stages)
             if eng is None:
                 eng = PipelineChameleon(sched, budget, device="cpu", min_tensor_bytes=0)
             else:
@@ -138,7 +144,7 @@ def _child(rank: int, port: int, out_dir: str) -> None:
                 runs = {"none": _train(rank, schedule, None)}
                 natural = min(s["peak_resident_bytes"] for s in runs["none"]["stats"])
                 for label, frac in BUDGETS.items():
-                    if frac is not None:
+                    if frac is not None and not (schedule in SHORT and label == "25%"):
                         runs[label] = _train(rank, schedule, int(natural * frac))
                 torch.save({"runs": runs}, path)
             except Exception:
@@ -190,11 +196,14 @@ def ref():
 
 # ---------------------------------------------------------------------------- the checks
 def _last_rank(schedule: str) -> int:
-    return WORLD - 1 if schedule == "1f1b" else 0     # who holds the loss: the V ends on rank 0
+    return 0 if schedule == "chronos" else WORLD - 1  # who holds the loss: the V ends on rank 0
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("label", list(BUDGETS))
+CASES = [(s, label) for s in SCHEDULES for label in BUDGETS
+         if not (s in SHORT and label == "25%")]
+
+
+@pytest.mark.parametrize("schedule,label", CASES)
 def test_losses_and_gradients_bitwise(results, ref, schedule, label):
     merged = [{} for _ in SEQ_LENS]
     for rank in range(WORLD):
@@ -214,8 +223,7 @@ def test_losses_and_gradients_bitwise(results, ref, schedule, label):
                 f"(max abs diff {(g - merged[step][name]).abs().max()})"
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("label", [k for k, v in BUDGETS.items() if v is not None])
+@pytest.mark.parametrize("schedule,label", [c for c in CASES if BUDGETS[c[1]] is not None])
 def test_every_rank_holds_its_budget(results, schedule, label):
     for rank in range(WORLD):
         run = results[schedule, rank][label]
@@ -233,7 +241,7 @@ def test_per_rank_peaks(results):
     """The natural (no budget) per-rank peaks show what the schedules do to memory: under 1F1B the
     first rank holds more micro-batches than the last; the V spreads them more evenly."""
     peaks = {s: [max(st["peak_resident_bytes"] for st in results[s, r]["none"]["stats"])
-                 for r in range(WORLD)] for s in SCHEDULES}
+                 for r in range(WORLD)] for s in ("1f1b", "chronos")}
     print("natural per-rank peaks (bytes):", peaks)
     one, v = peaks["1f1b"], peaks["chronos"]
     assert one[0] > one[-1]
