@@ -27,7 +27,7 @@ _ACCEPTED = ("a non-negative int of bytes, or a size string such as '512MB', '1.
 
 _MAX_BYTES = 2**64  # more than any machine has: a typo, not a budget
 
-POLICIES = ("guard", "chameleon", "static")
+POLICIES = ("guard", "chameleon", "static", "schedule")
 
 
 def parse_size(value: SizeLike, name: str = "size", *, allow_none: bool = True) -> Optional[int]:

@@ -56,7 +56,9 @@ class Chameleon:
         policy: "chameleon" (the default: profiles every step, plans per operator sequence,
             adapts when it changes; the guard underneath), "guard" (no profile needed; holds the
             budget on any step) or "static" (one plan made after warm-up and frozen: the
-            baseline of frozen peers).
+            baseline of frozen peers); "schedule" is the guard ranking saved tensors by when a
+            pipeline schedule needs them back (``chameleon_swap.pipeline`` sets it up; alone it
+            behaves as "guard").
         host_memory_limit: most host memory offloaded activations may take; default half of the
             RAM available when the engine is created.
         host_memory_reserve: host memory to allocate (and pin, on CUDA) up front, as one slab of
@@ -170,6 +172,13 @@ class Chameleon:
     @property
     def policy(self) -> str:
         return self.config.policy
+
+    @property
+    def policy_object(self):
+        """The policy instance this engine runs: for integrations that feed it what only they
+        know (``chameleon_swap.pipeline`` tells the ``"schedule"`` policy when each backward
+        comes)."""
+        return self._policy
 
     @property
     def last_step(self) -> Optional[StepStats]:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from .guard import GuardPolicy
 from .planned import ChameleonPolicy, StaticPolicy
+from .schedule import ScheduleGuardPolicy
 
-POLICIES = {"guard": GuardPolicy, "chameleon": ChameleonPolicy, "static": StaticPolicy}
+POLICIES = {"guard": GuardPolicy, "chameleon": ChameleonPolicy, "static": StaticPolicy,
+            "schedule": ScheduleGuardPolicy}
 
 
 def make_policy(name: str, executor, **kwargs):
     cls = POLICIES[name]
-    return cls(executor, **kwargs) if cls is not GuardPolicy else cls(executor)
+    return cls(executor, **kwargs) if not issubclass(cls, GuardPolicy) else cls(executor)

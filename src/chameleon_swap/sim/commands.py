@@ -10,7 +10,7 @@ import json
 from typing import Optional
 
 from ..config import format_bytes, parse_size
-from . import report, sweeps
+from . import pipeline_cli, report, sweeps
 from .analytic import generate
 from .hardware import builtin_names
 from .hardware import load as load_hardware
@@ -107,9 +107,17 @@ def configure_simulate(p: argparse.ArgumentParser) -> None:
                         "states, workspace and the runtime's reserve)")
     p.add_argument("--policies", default=None,
                    help=f"comma-separated (default: {','.join(DEFAULT_POLICIES)})")
+    pipeline_cli.add_arguments(p)
 
 
 def run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if pipeline_cli.wanted(args):
+        try:
+            pipeline_cli.run(args, _config(args), _hardware(args),
+                             parse_size(args.budget, "--budget"))
+        except ValueError as exc:
+            parser.error(str(exc))
+        return 0
     try:
         # tpN re-shards the formula's model: a recorded or traced step cannot be re-sharded, so
         # the default list leaves it out there (asked for by name, it is an error).
