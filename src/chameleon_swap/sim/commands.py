@@ -10,10 +10,11 @@ import json
 from typing import Optional
 
 from ..config import format_bytes, parse_size
-from . import report, sweeps
+from . import hf_commands, report, sweeps
 from .analytic import generate
 from .hardware import builtin_names
 from .hardware import load as load_hardware
+from .hf_commands import traced_model
 from .models import PRESETS, ModelConfig, family, preset, resolve
 from .policies import POLICIES, TP_RE, check_policy, lower_bound, run
 from .trace import load as load_trace
@@ -54,17 +55,6 @@ def _config(args, name: Optional[str] = None) -> ModelConfig:
     name = name or args.model or DEFAULT_MODEL
     return resolve(name, seq=args.seq, micro_batch=args.micro_batch, dtype=args.dtype,
                    flash=args.flash, tp=args.tp, dp_shard=args.dp_shard)
-
-
-def _traced(args, hw):
-    """The ``--hf`` model, or None; ``--model`` and ``--hf`` exclude each other."""
-    if not args.hf:
-        return None
-    if args.model:
-        raise ValueError("give either --model (formula estimate) or --hf (traced), not both")
-    from .hf_trace import TracedModel
-    return TracedModel(args.hf, hw, seq=args.seq, micro_batch=args.micro_batch,
-                       dtype=args.dtype, optimizer=args.optimizer)
 
 
 def _hardware(args, required: bool = True):
@@ -119,7 +109,7 @@ def run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         if args.trace and (args.model or args.hf):
             raise ValueError("give one of --model, --hf or --trace")
         hw = _hardware(args, required=not args.trace)
-        traced = _traced(args, hw)
+        traced = traced_model(args, hw)
         if fixed:
             trace = traced.trace() if traced else load_trace(args.trace)
             cfg = None
@@ -212,7 +202,7 @@ def run_capacity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     try:
         policies = _policies(args.policies, POLICIES)
         hw = _hardware(args)
-        cfg = _traced(args, hw)
+        cfg = traced_model(args, hw)
         if cfg is None:
             cfg = _config(args)
             generate(cfg, hw)          # fail fast on a dtype the hardware lacks
@@ -275,14 +265,19 @@ def configure_compare(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated presets (default: {','.join(family())})")
     p.add_argument("--degrees", default="1,2,4,8",
                    help="tensor-parallel degrees to try, smallest first (default 1,2,4,8)")
+    p.add_argument("--budget", default=None, metavar="SIZE",
+                   help="with --hf: activation budget (default: what each device leaves after "
+                        "model states, workspace and reserve); with --hf, --hardware takes a "
+                        "comma-separated list (default: every built-in profile)")
 
 
 def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.hf:
+        return _run_compare_hf(args, parser)
     try:
-        if args.hf:
-            raise ValueError("--hf: compare sweeps tensor-parallel degrees, which re-shard a "
-                             "model; a traced model cannot be re-sharded (use simulate or "
-                             "capacity with --hf, or compare with --models)")
+        if args.budget:
+            raise ValueError("--budget: compare --models runs each approach at the budget its "
+                             "device leaves at each degree; --budget is for --hf")
         hw = _hardware(args)
         models = ([m.strip() for m in args.models.split(",") if m.strip()] if args.models
                   else ([args.model] if args.model else family()))
@@ -314,16 +309,36 @@ def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     return 0
 
 
+def _run_compare_hf(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        n = len(hf_commands.hardware_list(args.hardware)) * len(sweeps.APPROACHES)
+        with report.progress(n, "compare", not args.json) as advance:
+            model, rows = hf_commands.compare(args, advance)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.json:
+        print(json.dumps({"model": model.name, "settings": dict(
+            seq=args.seq, micro_batch=args.micro_batch, dtype=args.dtype,
+            optimizer=args.optimizer, dp_shard=args.dp_shard), "hardware": rows}))
+    else:
+        print(hf_commands.compare_head(model, args.budget))
+        print(hf_commands.compare_text(rows), end="")
+    if args.plot:
+        parser.error("--plot: compare --hf has no figure; use simulate --hf --plot")
+    return 0
+
+
 def compare_text(rows: list[dict], markdown: bool = False) -> str:
     def cell(x):
         return f"tp{x['tp']}: {x['tokens_per_second_per_device']:.0f}" if x else "does not fit"
     table_rows = [[r["model"], f"{r['params'] / 1e9:.1f}B", cell(r["chameleon"]),
-                   cell(r["full-recompute"]), cell(r["selective-recompute"]), cell(r["none"]),
-                   report.pct(r["vs_full_recompute"]), report.pct(r["vs_selective_recompute"]),
-                   report.pct(r["vs_tensor_parallel"])] for r in rows]
-    return report.table(["model", "params", "chameleon tok/s/dev", "full recompute",
+                   cell(r["hybrid"]), cell(r["full-recompute"]), cell(r["selective-recompute"]),
+                   cell(r["none"]), report.pct(r["vs_full_recompute"]),
+                   report.pct(r["vs_selective_recompute"]), report.pct(r["vs_tensor_parallel"]),
+                   report.pct(r["hybrid_vs_full_recompute"])] for r in rows]
+    return report.table(["model", "params", "chameleon tok/s/dev", "hybrid", "full recompute",
                          "selective recompute", "tensor parallel only", "chameleon vs full",
-                         "vs selective", "vs higher TP"], table_rows, markdown)
+                         "vs selective", "vs higher TP", "hybrid vs full"], table_rows, markdown)
 
 
 def _degrees(text: str) -> list[int]:
@@ -362,7 +377,7 @@ def run_trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                              "for a recorded one")
         if args.hf:
             hw = _hardware(args)
-            traced = _traced(args, hw)
+            traced = traced_model(args, hw)
             trace = traced.trace()
             path = save_trace(trace, args.out)
             msg = (f"wrote {path}: {traced.describe()}, {len(trace.steps[0].tensors)} saved "
