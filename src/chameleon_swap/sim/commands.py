@@ -265,6 +265,8 @@ def configure_compare(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated presets (default: {','.join(family())})")
     p.add_argument("--degrees", default="1,2,4,8",
                    help="tensor-parallel degrees to try, smallest first (default 1,2,4,8)")
+    p.add_argument("--approaches", default=None,
+                   help=f"comma-separated, from {','.join(sweeps.APPROACHES)} (default: all)")
     p.add_argument("--budget", default=None, metavar="SIZE",
                    help="with --hf: activation budget (default: what each device leaves after "
                         "model states, workspace and reserve); with --hf, --hardware takes a "
@@ -273,7 +275,7 @@ def configure_compare(p: argparse.ArgumentParser) -> None:
 
 def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.hf:
-        return _run_compare_hf(args, parser)
+        return hf_commands.run_compare(args, parser)
     try:
         if args.budget:
             raise ValueError("--budget: compare --models runs each approach at the budget its "
@@ -284,14 +286,14 @@ def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         for m in models:
             preset(m)
         degrees = _degrees(args.degrees)
+        approaches = sweeps.parse_approaches(args.approaches)
         settings = dict(seq=args.seq, micro_batch=args.micro_batch, dtype=args.dtype,
                         flash=args.flash, dp_shard=args.dp_shard)
         generate(preset(models[0], **settings), hw)
     except ValueError as exc:
         parser.error(str(exc))
-    with report.progress(len(models) * len(sweeps.APPROACHES), "compare",
-                         not args.json) as advance:
-        rows = sweeps.compare(models, hw, settings, degrees, advance)
+    with report.progress(len(models) * len(approaches), "compare", not args.json) as advance:
+        rows = sweeps.compare(models, hw, settings, degrees, advance, approaches)
     if args.json:
         print(json.dumps({"hardware": hw.name, "settings": settings, "models": rows}))
     else:
@@ -309,36 +311,23 @@ def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     return 0
 
 
-def _run_compare_hf(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    try:
-        n = len(hf_commands.hardware_list(args.hardware)) * len(sweeps.APPROACHES)
-        with report.progress(n, "compare", not args.json) as advance:
-            model, rows = hf_commands.compare(args, advance)
-    except ValueError as exc:
-        parser.error(str(exc))
-    if args.json:
-        print(json.dumps({"model": model.name, "settings": dict(
-            seq=args.seq, micro_batch=args.micro_batch, dtype=args.dtype,
-            optimizer=args.optimizer, dp_shard=args.dp_shard), "hardware": rows}))
-    else:
-        print(hf_commands.compare_head(model, args.budget))
-        print(hf_commands.compare_text(rows), end="")
-    if args.plot:
-        parser.error("--plot: compare --hf has no figure; use simulate --hf --plot")
-    return 0
-
-
 def compare_text(rows: list[dict], markdown: bool = False) -> str:
+    """One row per model: tokens/s per device of each approach that ran, then speedups."""
     def cell(x):
         return f"tp{x['tp']}: {x['tokens_per_second_per_device']:.0f}" if x else "does not fit"
-    table_rows = [[r["model"], f"{r['params'] / 1e9:.1f}B", cell(r["chameleon"]),
-                   cell(r["hybrid"]), cell(r["full-recompute"]), cell(r["selective-recompute"]),
-                   cell(r["none"]), report.pct(r["vs_full_recompute"]),
-                   report.pct(r["vs_selective_recompute"]), report.pct(r["vs_tensor_parallel"]),
-                   report.pct(r["hybrid_vs_full_recompute"])] for r in rows]
-    return report.table(["model", "params", "chameleon tok/s/dev", "hybrid", "full recompute",
-                         "selective recompute", "tensor parallel only", "chameleon vs full",
-                         "vs selective", "vs higher TP", "hybrid vs full"], table_rows, markdown)
+    names = {"chameleon": "chameleon tok/s/dev", "hybrid": "hybrid",
+             "full-recompute": "full recompute", "selective-recompute": "selective recompute",
+             "none": "tensor parallel only"}
+    cols = [a for a in names if rows and a in rows[0]]
+    gains = [(k, h) for k, h in (("vs_full_recompute", "chameleon vs full"),
+                                 ("vs_selective_recompute", "vs selective"),
+                                 ("vs_tensor_parallel", "vs higher TP"),
+                                 ("hybrid_vs_full_recompute", "hybrid vs full"))
+             if any(r[k] is not None for r in rows)]
+    table_rows = [[r["model"], f"{r['params'] / 1e9:.1f}B"] + [cell(r[a]) for a in cols]
+                  + [report.pct(r[k]) for k, _ in gains] for r in rows]
+    return report.table(["model", "params"] + [names[a] for a in cols] + [h for _, h in gains],
+                        table_rows, markdown)
 
 
 def _degrees(text: str) -> list[int]:

@@ -7,10 +7,12 @@ approaches at one degree across hardware profiles instead (``hf_trace.compare``)
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Optional
 
 from ..config import format_bytes, parse_size
-from . import report
+
+from . import report, sweeps
 from .hardware import Hardware, builtin_names
 from .hardware import load as load_hardware
 
@@ -35,7 +37,8 @@ def hardware_list(text: Optional[str]) -> list[Hardware]:
     return [load_hardware(n, "--hardware") for n in names]
 
 
-def compare(args: argparse.Namespace, advance=lambda: None) -> tuple[object, list[dict]]:
+def compare(args: argparse.Namespace, approaches=None,
+            advance=lambda: None) -> tuple[object, list[dict]]:
     """``compare --hf``: (the traced model, one row per hardware profile)."""
     from .hf_trace import compare as traced_compare
     from .sweeps import APPROACHES
@@ -47,26 +50,29 @@ def compare(args: argparse.Namespace, advance=lambda: None) -> tuple[object, lis
     if args.tp != 1:
         raise ValueError("--tp: a traced step cannot be re-sharded (use --model for tp)")
     hws = hardware_list(args.hardware)
+    approaches = approaches or list(APPROACHES)
     budget = parse_size(args.budget, "--budget")
     model = traced_model(args, hws[0])
     model.trace()                         # trace (or read the cache) before the progress bar
-    return model, traced_compare(model, hws, APPROACHES, budget, advance)
+    return model, traced_compare(model, hws, approaches, budget, advance)
 
 
 def compare_text(rows: list[dict], markdown: bool = False) -> str:
+    """One row per hardware profile: tokens/s of each approach that ran, then speedups."""
     def cell(x):
-        if x is None:
-            return None
         return f"{x['tokens_per_second_per_device']:.0f}" if x["fits"] else "does not fit"
-    table_rows = [[r["hardware"], report.gib(r["budget_bytes"]), f"{r['demand_ratio']:.2f}x",
-                   cell(r["chameleon"]), cell(r["hybrid"]), cell(r["full-recompute"]),
-                   cell(r["selective-recompute"]), cell(r["none"]),
-                   report.pct(r["vs_full_recompute"]), report.pct(r["hybrid_vs_full_recompute"]),
-                   report.pct(r["hybrid_vs_selective_recompute"])] for r in rows]
-    return report.table(["hardware", "budget", "demand / device", "chameleon tok/s",
-                         "hybrid", "full recompute", "selective recompute", "none",
-                         "chameleon vs full", "hybrid vs full", "hybrid vs selective"],
-                        table_rows, markdown)
+    names = {"chameleon": "chameleon tok/s", "hybrid": "hybrid", "full-recompute":
+             "full recompute", "selective-recompute": "selective recompute", "none": "none"}
+    cols = [a for a in names if rows and a in rows[0]]
+    gains = [(k, h) for k, h in (("vs_full_recompute", "chameleon vs full"),
+                                 ("hybrid_vs_full_recompute", "hybrid vs full"),
+                                 ("hybrid_vs_selective_recompute", "hybrid vs selective"))
+             if any(r[k] is not None for r in rows)]
+    table_rows = [[r["hardware"], report.gib(r["budget_bytes"]), f"{r['demand_ratio']:.2f}x"]
+                  + [cell(r[a]) for a in cols] + [report.pct(r[k]) for k, _ in gains]
+                  for r in rows]
+    return report.table(["hardware", "budget", "demand / device"] + [names[a] for a in cols]
+                        + [h for _, h in gains], table_rows, markdown)
 
 
 def compare_head(model, budget_text: Optional[str]) -> str:
@@ -74,3 +80,24 @@ def compare_head(model, budget_text: Optional[str]) -> str:
               else "budget: what each device leaves after model states, workspace and reserve")
     return (f"{model.describe()}\n{budget}; tokens/s per device; speedups only where both "
             f"fit (a traced step cannot be re-sharded: tensor-parallel degree 1 throughout)\n")
+
+
+def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``compare --hf``: parse, run, print (``commands.run_compare`` hands ``--hf`` here)."""
+    try:
+        approaches = sweeps.parse_approaches(args.approaches)
+        n = len(hardware_list(args.hardware)) * len(approaches)
+        with report.progress(n, "compare", not args.json) as advance:
+            model, rows = compare(args, approaches, advance)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.json:
+        print(json.dumps({"model": model.name, "settings": dict(
+            seq=args.seq, micro_batch=args.micro_batch, dtype=args.dtype,
+            optimizer=args.optimizer, dp_shard=args.dp_shard), "hardware": rows}))
+    else:
+        print(compare_head(model, args.budget))
+        print(compare_text(rows), end="")
+    if args.plot:
+        parser.error("--plot: compare --hf has no figure; use simulate --hf --plot")
+    return 0

@@ -296,6 +296,6 @@ def compare(model: TracedModel, hws: list, approaches, budget: Optional[int] = N
             advance()
         fitting = {a: row[a] if row[a]["fits"] else None for a in approaches}
         row.update(speedups(fitting))
-        row["memory_binds"] = not (row.get("none") or {}).get("fits", False)
+        row["memory_binds"] = not row["none"]["fits"] if "none" in row else None
         rows.append(row)
     return rows

@@ -148,6 +148,18 @@ def speedups(row: dict) -> dict:
     return out
 
 
+def parse_approaches(text: Optional[str]) -> list[str]:
+    """``--approaches``: a comma-separated subset of ``APPROACHES`` (default: all)."""
+    if not text:
+        return list(APPROACHES)
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [n for n in names if n not in APPROACHES]
+    if bad or not names:
+        raise ValueError(f"--approaches must be a comma-separated list from "
+                         f"{', '.join(APPROACHES)}; got {text!r}")
+    return names
+
+
 def compare(models: list[str], hw: Hardware, run_settings: dict, degrees=DEGREES,
             advance: Callable[[], None] = lambda: None, approaches=APPROACHES) -> list[dict]:
     """Per model: each approach at the smallest tensor-parallel degree where it fits on ``hw``
