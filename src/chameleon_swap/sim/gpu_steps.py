@@ -34,11 +34,13 @@ class Measured:
     recompute_ratio: float
     engine_ratio: dict = field(default_factory=dict)   # budget fraction -> median step ratio
     overrides: dict = field(default_factory=dict)      # config fields set on top of ``spec``
+    peak_bytes: Optional[int] = None   # max_memory_allocated above the step start, plain step
 
 
 # One NVIDIA H100 80GB HBM3, measured by the project on 2026-11-23 (PyTorch 2.11, transformers
 # 5.17): LlamaForCausalLM from a config, SDPA, fp32 weights under bf16 autocast, SGD, batch 1,
-# trained on a schedule of lengths; medians over the steps. "recompute" is
+# trained on a schedule of lengths; medians over the steps; the peak is the plain step's at the
+# longest length. "recompute" is
 # gradient_checkpointing_enable() (non-reentrant); the engine ran Chameleon(budget=fraction x
 # the plain step's activation peak) with its default (swap-only) policy. The configs are not
 # recorded with the runs: heads = hidden / 128, intermediate 2.6875 x hidden, vocabulary 32000
@@ -46,11 +48,11 @@ class Measured:
 # simulated at its longest length.
 H100_LLAMA = (
     Measured("hidden 2048, 16 layers", "docs/configs/llama-h2048-l16.json", 16384, 0.37, 1.17,
-             {0.25: 2.5}),
+             {0.25: 2.5}, peak_bytes=round(36.9 * 2**30)),
     Measured("hidden 4096, 8 layers", "docs/configs/llama-h4096-l8.json", 16384, 0.51, 1.14,
-             {0.25: 2.1, 0.5: 1.19}),
+             {0.25: 2.1, 0.5: 1.19}, peak_bytes=round(38.8 * 2**30)),
     Measured("hidden 8192, 4 layers", "docs/configs/llama-h8192-l4.json", 8192, 0.37, 1.20,
-             {0.25: 1.94, 0.5: 1.35}),
+             {0.25: 1.94, 0.5: 1.35}, peak_bytes=round(24.7 * 2**30)),
 )
 
 

@@ -11,7 +11,6 @@ import json
 from typing import Optional
 
 from ..config import format_bytes, parse_size
-
 from . import report, sweeps
 from .hardware import Hardware, builtin_names
 from .hardware import load as load_hardware
