@@ -286,7 +286,14 @@ def compare(model: TracedModel, hws: list, approaches, budget: Optional[int] = N
                      "model_state_bytes": step.model_state_bytes,
                      "demand_ratio": demand_bytes(step, hw) / hw.device_memory_bytes}
         cache: dict = {}
+        hopeless = step.model_state_bytes + step.workspace_bytes > hw.usable_bytes
         for a in approaches:
+            if hopeless:              # model states alone overflow: no policy fits, skip planning
+                row[a] = {"fits": False, "step_seconds": None, "stall_seconds": None,
+                          "tokens_per_second_per_device": None, "peak_bytes": None,
+                          "moved_bytes": None}
+                advance()
+                continue
             r = run(trace, a, b, device_bytes=hw.usable_bytes, host_bytes=hw.host_memory_bytes,
                     plan_cache=cache)
             row[a] = {"fits": r.fits, "step_seconds": r.step_seconds,
