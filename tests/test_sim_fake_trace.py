@@ -162,3 +162,23 @@ def test_hybrid_is_in_every_default_list():
     assert "hybrid" in POLICIES                            # capacity's default
     assert "hybrid" in commands.DEFAULT_POLICIES           # simulate's default
     assert "hybrid" in sweeps.APPROACHES and "hybrid" in sweeps.parse_approaches(None)
+
+
+def test_dit_traces_with_blocks_and_simulates_every_approach():
+    from chameleon_swap.sim.dit_trace import OPEN_SORA_PLAN, trace_dit
+    from chameleon_swap.sim.hardware import load
+    from chameleon_swap.sim.policies import run
+    small = dict(OPEN_SORA_PLAN, n_layers=2, dim=64, n_heads=4, text_len=8, text_dim=32,
+                 buckets=((2, 8, 8),))
+    rec = trace_dit(**small)
+    assert rec.extra["block_prefix"] == "blocks" and rec.extra["layers"] == 2
+    assert rec.extra["seq"] == 2 * 4 * 4                  # tokens: T x (H / 2) x (W / 2)
+    trace = hf_trace.to_trace(rec, load("h100-sxm"), "sgd", "dit")
+    step = trace.steps[0]
+    assert [t.block for t in step.tensors if t.kind == "block_input"] == [0, 1]
+    budget = step.activation_bytes // 4
+    for p in ("none", "full-recompute", "chameleon", "hybrid"):
+        r = run(trace, p, budget)
+        assert r.step_seconds >= step.compute_seconds * (1 - 1e-9)
+        if p in ("chameleon", "hybrid"):
+            assert r.peak_bytes <= budget

@@ -84,6 +84,8 @@ def compare_head(model, budget_text: Optional[str]) -> str:
 def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``compare --hf``: parse, run, print (``commands.run_compare`` hands ``--hf`` here)."""
     try:
+        if args.plot:
+            raise ValueError("--plot: compare --hf draws no figure (simulate --hf --plot does)")
         approaches = sweeps.parse_approaches(args.approaches)
         n = len(hardware_list(args.hardware)) * len(approaches)
         with report.progress(n, "compare", not args.json) as advance:
@@ -97,6 +99,4 @@ def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     else:
         print(compare_head(model, args.budget))
         print(compare_text(rows), end="")
-    if args.plot:
-        parser.error("--plot: compare --hf has no figure; use simulate --hf --plot")
     return 0
