@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from chameleon_swap import cli  # noqa: E402
 from chameleon_swap.sim import hardware  # noqa: E402
-from chameleon_swap.sim.models import family, preset  # noqa: E402
+from chameleon_swap.sim.models import family  # noqa: E402
 
 import scale_traced  # noqa: E402  (docs/, next to this script)
 from scale_runs import calibration_section, runtime_claims_section  # noqa: E402
@@ -105,7 +105,7 @@ def hardware_section(hws) -> list[str]:
             "interconnect; 2 GiB per device are reserved for the runtime; host RAM is 256 GiB per "
             "device (DGX H100/H200/A100: 2 TB for 8 GPUs). Model states take 16 bytes per "
             "parameter (mixed-precision Adam, Rajbhandari et al. 2020), of which the 12 optimizer "
-            f"bytes are sharded over {DP_SHARD} data-parallel ranks (ZeRO-1) in every experiment "
+            f"bytes are sharded over {DP_SHARD} data-parallel ranks (ZeRO-1) in every formula (`--model`) experiment "
             "below. The transient workspace is estimated as twice the largest saved tensor.\n"]
 
 
@@ -137,7 +137,8 @@ def capacity_section(hws) -> tuple[list[str], dict]:
         rc = best["full-recompute"]
         verdict[hw.name] = (ch[0] if ch else 0.0, rc[0] if rc else 0.0,
                             ch[2]["tokens_per_second"] if ch else None,
-                            rc[2]["tokens_per_second"] if rc else None)
+                            rc[2]["tokens_per_second"] if rc else None,
+                            best["hybrid"][0] if best.get("hybrid") else 0.0)
 
         def show(p):
             b = best.get(p)
@@ -198,6 +199,7 @@ def compare_section(hws) -> tuple[list[str], dict]:
                 if row["vs_full_recompute"] is not None:
                     wins[hw.name].append((row["model"], seq, mb, flash, row["vs_full_recompute"],
                                           row["chameleon"]["tp"], row["full-recompute"]["tp"]))
+    hybrid_best: dict = {}
     rows, verdict = [], {}
     for name, b in best.items():
         cells = []
@@ -208,6 +210,8 @@ def compare_section(hws) -> tuple[list[str], dict]:
         top = max((v[0] for k, v in b.items() if v is not None and not k.startswith("hybrid")),
                   default=None)
         verdict[name] = top
+        hybrid_best[name] = b["hybrid_vs_full_recompute"][0] if b["hybrid_vs_full_recompute"] \
+            else None
         rows.append([name, *cells, "**holds**" if top is not None and top >= CLAIM_SPEEDUP
                      else f"not reached (best {pct(top)})"])
     out.append(table(["hardware", "best vs full recompute", "best vs selective recompute",
@@ -222,7 +226,7 @@ def compare_section(hws) -> tuple[list[str], dict]:
         + f"; models {', '.join(family())}.\n")
     out.append("Figures (seq 4096 x micro-batch 4): " + ", ".join(
         f"[{hw.name}](scale/compare-{hw.name}.png)" for hw in hws) + ".\n")
-    return out, (verdict, wins)
+    return out, (verdict, wins, hybrid_best)
 
 
 def crossover_section(wins: dict) -> list[str]:
@@ -286,12 +290,16 @@ def bound_section(hws) -> list[str]:
         rows.append(r)
     rows.append(["bound (s)"] + [f"{cols[hw.name]['lower_bound_seconds']:.3f}" for hw in hws])
     out.append(table(["policy"] + [hw.name for hw in hws], rows))
-    beats = [hw.name for hw in hws if cols[hw.name]["policies"]["full-recompute"]["step_seconds"]
-             < cols[hw.name]["lower_bound_seconds"]]
+    def below(p):
+        return [hw.name for hw in hws if cols[hw.name]["policies"][p]["step_seconds"]
+                < cols[hw.name]["lower_bound_seconds"] and cols[hw.name]["policies"][p]["fits"]]
+    beats, hyb = below("full-recompute"), below("hybrid")
     out.append("The bound is for schedules that swap; full recomputation moves nothing and "
                "pays a second forward instead, so it can in principle end below it: "
                + (f"here it does on {', '.join(beats)}." if beats else
-                  "here it does not, on any profile.") + "\n")
+                  "here it does not, on any profile.")
+               + " Hybrid recomputes some blocks and swaps the rest, so it too can end below it: "
+               + (f"here on {', '.join(hyb)}." if hyb else "here it does not.") + "\n")
     return out
 
 
@@ -317,13 +325,14 @@ def main(argv=None) -> int:
     traced_claims, tverdict = scale_traced.traced_claims_section(
         ROOT, hws, table, command, log, CLAIM_RATIO, CLAIM_SPEEDUP)
     cap, ratio = capacity_section(hws)
-    cmp_, (speed, wins) = compare_section(hws)
+    cmp_, (speed, wins, hybrid_best) = compare_section(hws)
     cross = crossover_section(wins)
     bound = bound_section(hws)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                             capture_output=True, text=True).stdout.strip() or "unknown"
     holds4 = [n for n, r in ratio.items() if r[0] >= CLAIM_RATIO]
     holds39 = [n for n, v in speed.items() if v is not None and v >= CLAIM_SPEEDUP]
+    hspeed = hybrid_best
     pairs = [w for ws in wins.values() for w in ws]
     slower = [w for w in pairs if w[4] < 0]
     summary = [
@@ -344,7 +353,10 @@ def main(argv=None) -> int:
         + f" ({CAPACITY_MODEL}, ZeRO-1 over {DP_SHARD}, longer sequences or larger micro-batches). "
         "Largest ratio reached by chameleon / by full recomputation (tokens/s there): "
         + "; ".join(f"{n} {c:.2f}x / {r:.2f}x ({tc:.0f} / {tr:.0f})" if tc and tr else
-                    f"{n} {c:.2f}x / {r:.2f}x" for n, (c, r, tc, tr) in ratio.items())
+                    f"{n} {c:.2f}x / {r:.2f}x" for n, (c, r, tc, tr, _) in ratio.items())
+        + ". With recomputation (hybrid, `Chameleon(model=...)`), what the device cannot keep "
+        "no longer all goes to host RAM, and the ratio reaches "
+        + ", ".join(f"{n} {v[4]:.2f}x" for n, v in ratio.items())
         + ". Swapping cannot pass 1 + host RAM / device memory (what it moves must fit in host "
         "RAM), so the claim needs about three times the device's memory in host RAM per device.\n",
         "- **Up to 38.94% faster than recomputation or higher-degree parallelism**: "
@@ -352,6 +364,9 @@ def main(argv=None) -> int:
            "**not reached** on any profile")
         + "; best speedup per profile (over full or selective recomputation or tensor "
         "parallelism alone): " + ", ".join(f"{n} {pct(v)}" for n, v in speed.items())
+        + "; hybrid's best over full recomputation (at "
+        + "; ".join(f"seq {q} x micro-batch {m}" for q, m, _ in HYBRID_GRID) + "): "
+        + ", ".join(f"{n} {pct(v)}" for n, v in hspeed.items())
         + f". Chameleon is slower than full recomputation in {len(slower)} of {len(pairs)} "
         "(model, setting, profile) cases where memory binds and both fit: there the swap "
         "traffic outgrows the "
