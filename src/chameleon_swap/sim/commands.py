@@ -256,7 +256,8 @@ def capacity_text(cap: dict, cfg: ModelConfig, hw, markdown: bool = False) -> st
 
 
 # ------------------------------------------------------------------------------ compare
-COMPARE_HELP = "chameleon vs recomputation vs tensor-parallel degree at equal memory, by model"
+COMPARE_HELP = ("chameleon and hybrid vs recomputation vs tensor-parallel degree at equal memory, "
+                "by model (--hf: one traced model across hardware profiles)")
 
 
 def configure_compare(p: argparse.ArgumentParser) -> None:
