@@ -106,6 +106,19 @@ def test_builtin_profiles_load_with_sources():
     assert hardware.load("a100-80gb").peak_flops["bf16"] == pytest.approx(312e12)
 
 
+def test_measured_link_replaces_the_nominal_rate():
+    # h100-sxm carries the pinned rates measured on an H100 (with their source).
+    assert (H100.h2d, H100.d2h) == (53.6e9, 54.7e9)
+    d = json.loads((Path(hardware.__file__).parent / "hardware" / "h100-sxm.json").read_text())
+    assert "H100 80GB HBM3" in d["host_link"]["measured"]["source"]
+    del d["host_link"]["measured"]
+    plain = hardware.Hardware.from_dict(d)
+    assert plain.h2d == pytest.approx(64e9 * 0.8)
+    d["host_link"]["measured"] = {"h2d_bytes_per_s": 1e9}
+    with pytest.raises(ValueError, match="host_link.measured must be an object"):
+        hardware.Hardware.from_dict(d)
+
+
 def test_user_profile_from_file_and_errors(tmp_path):
     d = json.loads((Path(hardware.__file__).parent / "hardware" / "h200.json").read_text())
     d["name"] = "mine"

@@ -80,9 +80,22 @@ def test_compare_json_shape(capsys):
     out = run_json(capsys, ["compare", *SIM, "--models", "llama3.2-1b", "--seq", "16384",
                             "--json"])
     (row,) = out["models"]
-    for a in ("chameleon", "full-recompute", "selective-recompute", "none"):
+    for a in ("chameleon", "hybrid", "full-recompute", "selective-recompute", "none"):
         assert row[a] is None or {"tp", "tokens_per_second_per_device"} <= set(row[a])
     assert row["vs_full_recompute"] is not None and row["vs_full_recompute"] > 0
+    assert row["hybrid_vs_full_recompute"] is not None
+
+
+def test_compare_approaches_subset_and_text(capsys):
+    argv = ["compare", *SIM, "--models", "llama3.2-1b", "--approaches", "chameleon,none"]
+    out = run_json(capsys, [*argv, "--json"])
+    (row,) = out["models"]
+    assert "hybrid" not in row and row["hybrid_vs_full_recompute"] is None
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "vs higher TP" in text and "hybrid" not in text
+    with pytest.raises(SystemExit):
+        cli.main([*argv, "--budget", "1GiB"])             # --budget is for --hf
 
 
 def test_trace_analytic_then_simulate_it(capsys, tmp_path):

@@ -127,3 +127,58 @@ def test_cli_capacity_hf(capsys, tmp_path, monkeypatch):
                      "none", "--json"]) == 0
     cap = json.loads(capsys.readouterr().out)["policies"]["none"]
     assert set(cap) == {"seq", "micro_batch"} and cap["seq"]["seq"] == 1024
+
+
+def test_cli_compare_hf_across_profiles(capsys, tmp_path):
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps(dict(model_type="llama", num_hidden_layers=2, **TINY)))
+    argv = ["compare", "--hf", str(cfg), "--seq", "64", "--optimizer", "sgd",
+            "--hardware", "h100-sxm,h200"]
+    assert cli.main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["hardware"] for r in out["hardware"]] == ["h100-sxm", "h200"]
+    from chameleon_swap.sim.sweeps import APPROACHES
+    for r in out["hardware"]:
+        assert set(APPROACHES) <= set(r)
+        assert r["none"]["fits"] and r["memory_binds"] is False   # a tiny model fits anywhere
+        assert r["vs_full_recompute"] is not None and r["hybrid_vs_full_recompute"] is not None
+    # A budget below the natural peak: the swapping approaches move bytes, and they fit.
+    assert cli.main([*argv, "--budget", "1KiB", "--approaches", "none,chameleon,hybrid",
+                     "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["hardware"]
+    assert "full-recompute" not in rows[0] and rows[0]["chameleon"]["moved_bytes"] > 0
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "traced on fake tensors" in text and "hybrid vs full" in text and "h200" in text
+    for bad in (["--models", "llama-7b"], ["--degrees", "1,2"], ["--tp", "2"],
+                ["--approaches", "tp2"]):
+        with pytest.raises(SystemExit):
+            cli.main([*argv, *bad])
+
+
+def test_hybrid_is_in_every_default_list():
+    from chameleon_swap.sim import commands, sweeps
+    from chameleon_swap.sim.policies import POLICIES
+    assert "hybrid" in POLICIES                            # capacity's default
+    assert "hybrid" in commands.DEFAULT_POLICIES           # simulate's default
+    assert "hybrid" in sweeps.APPROACHES and "hybrid" in sweeps.parse_approaches(None)
+
+
+def test_dit_traces_with_blocks_and_simulates_every_approach():
+    from chameleon_swap.sim.dit_trace import OPEN_SORA_PLAN, trace_dit
+    from chameleon_swap.sim.hardware import load
+    from chameleon_swap.sim.policies import run
+    small = dict(OPEN_SORA_PLAN, n_layers=2, dim=64, n_heads=4, text_len=8, text_dim=32,
+                 buckets=((2, 8, 8),))
+    rec = trace_dit(**small)
+    assert rec.extra["block_prefix"] == "blocks" and rec.extra["layers"] == 2
+    assert rec.extra["seq"] == 2 * 4 * 4                  # tokens: T x (H / 2) x (W / 2)
+    trace = hf_trace.to_trace(rec, load("h100-sxm"), "sgd", "dit")
+    step = trace.steps[0]
+    assert [t.block for t in step.tensors if t.kind == "block_input"] == [0, 1]
+    budget = step.activation_bytes // 4
+    for p in ("none", "full-recompute", "chameleon", "hybrid"):
+        r = run(trace, p, budget)
+        assert r.step_seconds >= step.compute_seconds * (1 - 1e-9)
+        if p in ("chameleon", "hybrid"):
+            assert r.peak_bytes <= budget

@@ -3,11 +3,15 @@
 * ``trace``: the versioned JSON trace format (recorded by the profiler or generated analytically);
 * ``hardware``: device profiles as data files (``sim/hardware/*.json``) or user files;
 * ``models`` and ``analytic``: decoder-only transformer configurations and their analytic traces;
-* ``policies``: every policy (none, recomputation, swapping, guard, static, chameleon) on the
+* ``policies``: every policy (none, recomputation, swapping, guard, static, chameleon, hybrid) on the
   timeline model the planner uses, with the physical lower bound of each step;
-* ``commands``: what ``chameleon-swap simulate | capacity | compare | trace`` run.
+* ``fake_trace``, ``hf_trace``, ``dit_trace``: a model's own step traced on fake tensors (a
+  Hugging Face config, the video DiT), the bytes its code saves instead of a formula;
+* ``gpu_steps``: simulated step times of traced models beside step times measured on a GPU;
+* ``commands`` (and ``hf_commands`` for ``--hf``): what ``chameleon-swap simulate | capacity |
+  compare | trace`` run.
 
-Nothing here imports torch except recording a trace from a real run.
+Nothing here imports torch except recording a trace from a real run or tracing a model.
 """
 from .analytic import generate
 from .hardware import Hardware, builtin_names

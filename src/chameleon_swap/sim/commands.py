@@ -10,10 +10,11 @@ import json
 from typing import Optional
 
 from ..config import format_bytes, parse_size
-from . import pipeline_cli, report, sweeps
+from . import hf_commands, pipeline_cli, report, sweeps
 from .analytic import generate
 from .hardware import builtin_names
 from .hardware import load as load_hardware
+from .hf_commands import traced_model
 from .models import PRESETS, ModelConfig, family, preset, resolve
 from .policies import POLICIES, TP_RE, check_policy, lower_bound, run
 from .trace import load as load_trace
@@ -54,17 +55,6 @@ def _config(args, name: Optional[str] = None) -> ModelConfig:
     name = name or args.model or DEFAULT_MODEL
     return resolve(name, seq=args.seq, micro_batch=args.micro_batch, dtype=args.dtype,
                    flash=args.flash, tp=args.tp, dp_shard=args.dp_shard)
-
-
-def _traced(args, hw):
-    """The ``--hf`` model, or None; ``--model`` and ``--hf`` exclude each other."""
-    if not args.hf:
-        return None
-    if args.model:
-        raise ValueError("give either --model (formula estimate) or --hf (traced), not both")
-    from .hf_trace import TracedModel
-    return TracedModel(args.hf, hw, seq=args.seq, micro_batch=args.micro_batch,
-                       dtype=args.dtype, optimizer=args.optimizer)
 
 
 def _hardware(args, required: bool = True):
@@ -127,7 +117,7 @@ def run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         if args.trace and (args.model or args.hf):
             raise ValueError("give one of --model, --hf or --trace")
         hw = _hardware(args, required=not args.trace)
-        traced = _traced(args, hw)
+        traced = traced_model(args, hw)
         if fixed:
             trace = traced.trace() if traced else load_trace(args.trace)
             cfg = None
@@ -220,7 +210,7 @@ def run_capacity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     try:
         policies = _policies(args.policies, POLICIES)
         hw = _hardware(args)
-        cfg = _traced(args, hw)
+        cfg = traced_model(args, hw)
         if cfg is None:
             cfg = _config(args)
             generate(cfg, hw)          # fail fast on a dtype the hardware lacks
@@ -274,7 +264,8 @@ def capacity_text(cap: dict, cfg: ModelConfig, hw, markdown: bool = False) -> st
 
 
 # ------------------------------------------------------------------------------ compare
-COMPARE_HELP = "chameleon vs recomputation vs tensor-parallel degree at equal memory, by model"
+COMPARE_HELP = ("chameleon and hybrid vs recomputation vs tensor-parallel degree at equal memory, "
+                "by model (--hf: one traced model across hardware profiles)")
 
 
 def configure_compare(p: argparse.ArgumentParser) -> None:
@@ -283,28 +274,35 @@ def configure_compare(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated presets (default: {','.join(family())})")
     p.add_argument("--degrees", default="1,2,4,8",
                    help="tensor-parallel degrees to try, smallest first (default 1,2,4,8)")
+    p.add_argument("--approaches", default=None,
+                   help=f"comma-separated, from {','.join(sweeps.APPROACHES)} (default: all)")
+    p.add_argument("--budget", default=None, metavar="SIZE",
+                   help="with --hf: activation budget (default: what each device leaves after "
+                        "model states, workspace and reserve); with --hf, --hardware takes a "
+                        "comma-separated list (default: every built-in profile)")
 
 
 def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.hf:
+        return hf_commands.run_compare(args, parser)
     try:
-        if args.hf:
-            raise ValueError("--hf: compare sweeps tensor-parallel degrees, which re-shard a "
-                             "model; a traced model cannot be re-sharded (use simulate or "
-                             "capacity with --hf, or compare with --models)")
+        if args.budget:
+            raise ValueError("--budget: compare --models runs each approach at the budget its "
+                             "device leaves at each degree; --budget is for --hf")
         hw = _hardware(args)
         models = ([m.strip() for m in args.models.split(",") if m.strip()] if args.models
                   else ([args.model] if args.model else family()))
         for m in models:
             preset(m)
         degrees = _degrees(args.degrees)
+        approaches = sweeps.parse_approaches(args.approaches)
         settings = dict(seq=args.seq, micro_batch=args.micro_batch, dtype=args.dtype,
                         flash=args.flash, dp_shard=args.dp_shard)
         generate(preset(models[0], **settings), hw)
     except ValueError as exc:
         parser.error(str(exc))
-    with report.progress(len(models) * len(sweeps.APPROACHES), "compare",
-                         not args.json) as advance:
-        rows = sweeps.compare(models, hw, settings, degrees, advance)
+    with report.progress(len(models) * len(approaches), "compare", not args.json) as advance:
+        rows = sweeps.compare(models, hw, settings, degrees, advance, approaches)
     if args.json:
         print(json.dumps({"hardware": hw.name, "settings": settings, "models": rows}))
     else:
@@ -323,15 +321,22 @@ def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
 
 
 def compare_text(rows: list[dict], markdown: bool = False) -> str:
+    """One row per model: tokens/s per device of each approach that ran, then speedups."""
     def cell(x):
         return f"tp{x['tp']}: {x['tokens_per_second_per_device']:.0f}" if x else "does not fit"
-    table_rows = [[r["model"], f"{r['params'] / 1e9:.1f}B", cell(r["chameleon"]),
-                   cell(r["full-recompute"]), cell(r["selective-recompute"]), cell(r["none"]),
-                   report.pct(r["vs_full_recompute"]), report.pct(r["vs_selective_recompute"]),
-                   report.pct(r["vs_tensor_parallel"])] for r in rows]
-    return report.table(["model", "params", "chameleon tok/s/dev", "full recompute",
-                         "selective recompute", "tensor parallel only", "chameleon vs full",
-                         "vs selective", "vs higher TP"], table_rows, markdown)
+    names = {"chameleon": "chameleon tok/s/dev", "hybrid": "hybrid",
+             "full-recompute": "full recompute", "selective-recompute": "selective recompute",
+             "none": "tensor parallel only"}
+    cols = [a for a in names if rows and a in rows[0]]
+    gains = [(k, h) for k, h in (("vs_full_recompute", "chameleon vs full"),
+                                 ("vs_selective_recompute", "vs selective"),
+                                 ("vs_tensor_parallel", "vs higher TP"),
+                                 ("hybrid_vs_full_recompute", "hybrid vs full"))
+             if any(r[k] is not None for r in rows)]
+    table_rows = [[r["model"], f"{r['params'] / 1e9:.1f}B"] + [cell(r[a]) for a in cols]
+                  + [report.pct(r[k]) for k, _ in gains] for r in rows]
+    return report.table(["model", "params"] + [names[a] for a in cols] + [h for _, h in gains],
+                        table_rows, markdown)
 
 
 def _degrees(text: str) -> list[int]:
@@ -370,7 +375,7 @@ def run_trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                              "for a recorded one")
         if args.hf:
             hw = _hardware(args)
-            traced = _traced(args, hw)
+            traced = traced_model(args, hw)
             trace = traced.trace()
             path = save_trace(trace, args.out)
             msg = (f"wrote {path}: {traced.describe()}, {len(trace.steps[0].tensors)} saved "

@@ -38,6 +38,9 @@ class Hardware:
     interconnect_name: str = ""
     sources: dict = field(default_factory=dict)
     confidence: str = ""
+    # Measured pinned copy rates, one direction each; they replace nominal x link_fraction.
+    measured_h2d_bytes_per_s: Optional[float] = None
+    measured_d2h_bytes_per_s: Optional[float] = None
 
     def __post_init__(self) -> None:
         for name in ("device_memory_bytes", "memory_bandwidth_bytes_per_s", "h2d_bytes_per_s",
@@ -56,6 +59,9 @@ class Hardware:
                 raise ValueError(f"{self.name}: peak_flops has unknown dtype {k!r}; accepted: "
                                  f"{', '.join(DTYPE_BYTES)}")
             _positive(v, f"{self.name}: peak_flops[{k!r}]")
+        for name in ("measured_h2d_bytes_per_s", "measured_d2h_bytes_per_s"):
+            if getattr(self, name) is not None:
+                _positive(getattr(self, name), f"{self.name}: {name}")
         if not (isinstance(self.reserved_bytes, int) and self.reserved_bytes >= 0):
             raise ValueError(f"{self.name}: reserved_bytes must be an int >= 0; "
                              f"got {self.reserved_bytes!r}")
@@ -73,10 +79,14 @@ class Hardware:
 
     @property
     def d2h(self) -> float:
+        if self.measured_d2h_bytes_per_s:
+            return self.measured_d2h_bytes_per_s
         return self.d2h_bytes_per_s * self.link_fraction
 
     @property
     def h2d(self) -> float:
+        if self.measured_h2d_bytes_per_s:
+            return self.measured_h2d_bytes_per_s
         return self.h2d_bytes_per_s * self.link_fraction
 
     @property
@@ -103,6 +113,11 @@ class Hardware:
                              f"(required: {', '.join(required)})")
         link = d["host_link"]
         inter = d.get("interconnect") or {}
+        measured = link.get("measured") if isinstance(link, dict) else None
+        if measured is not None and (not isinstance(measured, dict) or not {
+                "h2d_bytes_per_s", "d2h_bytes_per_s", "source"} <= set(measured)):
+            raise ValueError(f"{origin}: host_link.measured must be an object with "
+                             f"h2d_bytes_per_s, d2h_bytes_per_s and source (device, date, how)")
         if not isinstance(link, dict) or "h2d_bytes_per_s" not in link or "d2h_bytes_per_s" not in link:
             raise ValueError(f"{origin}: host_link must be an object with h2d_bytes_per_s and "
                              f"d2h_bytes_per_s (one direction each)")
@@ -123,7 +138,11 @@ class Hardware:
                        link_name=str(link.get("name", "")),
                        interconnect_name=str(inter.get("name", "")),
                        sources=dict(d.get("sources", {})),
-                       confidence=str(d.get("confidence", "")))
+                       confidence=str(d.get("confidence", "")),
+                       measured_h2d_bytes_per_s=float(measured["h2d_bytes_per_s"])
+                       if measured else None,
+                       measured_d2h_bytes_per_s=float(measured["d2h_bytes_per_s"])
+                       if measured else None)
         except (TypeError, AttributeError) as exc:
             raise ValueError(f"{origin}: malformed hardware profile ({exc})") from exc
 

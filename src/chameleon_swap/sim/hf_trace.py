@@ -6,6 +6,7 @@ training runs: fp32 weights under ``torch.autocast`` to bf16; ``fp32`` runs with
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -82,13 +83,43 @@ def _run(cfg, seq: int, micro_batch: int, dtype: str, attn: str) -> Recording:
     # it would then build a seq x seq mask a real unpacked batch never has.
     no_packing = unittest.mock.patch.object(masking, "find_packed_sequence_indices",
                                             lambda *a, **k: None)
-    with no_packing:
+    with no_packing, _experts_under_autocast():
         rec = trace_module(lambda: AutoModelForCausalLM.from_config(
             cfg, attn_implementation=attn, dtype=torch.float32),
                            loss_fn, autocast=torch.bfloat16 if dtype == "bf16" else None)
     rec.extra.update(seq=seq, micro_batch=micro_batch, dtype=dtype, attn=attn,
                      model_type=cfg.model_type)
     return rec
+
+
+@contextlib.contextmanager
+def _experts_under_autocast():
+    """Mixture-of-experts layers (Mixtral, Qwen-MoE) multiply through a grouped matmul that no
+    autocast list covers: with fp32 weights it runs in fp32, which its kernel refuses. Cast both
+    operands to the autocast dtype, as autocast casts a linear layer's (the weight copy is then
+    saved, as a linear's is)."""
+    try:
+        import transformers.integrations.moe as moe
+    except ImportError:
+        yield
+        return
+    grouped = getattr(moe, "_grouped_mm", None)
+    if grouped is None:
+        yield
+        return
+    import torch
+
+    def cast(input, weight, offs):
+        if torch.is_autocast_enabled("cpu"):
+            low = torch.get_autocast_dtype("cpu")
+            return grouped(input.to(low), weight.to(low), offs)
+        return grouped(input, weight, offs)
+
+    moe._grouped_mm = cast
+    try:
+        yield
+    finally:
+        moe._grouped_mm = grouped
 
 
 def trace_hf(spec: str, *, seq: int, micro_batch: int = 1, dtype: str = "bf16",
@@ -119,13 +150,22 @@ def trace_hf(spec: str, *, seq: int, micro_batch: int = 1, dtype: str = "bf16",
     return _record(cfg, seq, micro_batch, dtype, attn, use_cache)
 
 
-def to_trace(rec: Recording, hw: Hardware, optimizer: str = "adamw", name: str = "") -> Trace:
+def to_trace(rec: Recording, hw: Hardware, optimizer: str = "adamw", name: str = "",
+             dp_shard: int = 1) -> Trace:
     """The simulator's trace of ``rec`` timed on ``hw``: each op a roofline, ``max(flops /
     achievable FLOP/s, bytes / achievable memory bandwidth)``, in bf16 when it reads bf16 or fp16
-    inputs, else fp32. Model states: weights and gradients, plus the optimizer's moments."""
+    inputs, else fp32. Model states: weights and gradients, plus the optimizer's moments, those
+    sharded over ``dp_shard`` data-parallel ranks (ZeRO-1)."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}; got {optimizer!r}")
-    low, full, mem = hw.flops("bf16"), hw.flops("fp32"), hw.memory_bytes_per_s
+    if isinstance(dp_shard, bool) or not isinstance(dp_shard, int) or dp_shard < 1:
+        raise ValueError(f"--dp-shard must be a positive int; got {dp_shard!r}")
+    low, mem = hw.flops("bf16"), hw.memory_bytes_per_s
+    # A profile without an fp32 figure (no datasheet gives one) times fp32 ops at its lowest
+    # rate: under autocast they are norms, softmax and casts, which the flop counter counts as
+    # zero FLOPs anyway (they are timed by their bytes).
+    full = (hw.flops("fp32") if "fp32" in hw.peak_flops
+            else min(hw.flops(d) for d in hw.peak_flops))
     segments = [sum(max(f / (low if lp else full), b / mem) for f, b, lp in seg)
                 for seg in rec.segment_ops]
     prefix, x = rec.extra.get("block_prefix"), rec.extra
@@ -142,13 +182,13 @@ def to_trace(rec: Recording, hw: Hardware, optimizer: str = "adamw", name: str =
             # (batch, heads, seq, seq): a score or probability matrix of eager attention
             kind = kinds[t.saved_at] = "attn_core"
         tensors.append(Tensor(t.nbytes, t.saved_at, t.first_used_at, True, b, kind))
-    states = rec.param_bytes + rec.grad_bytes + OPTIMIZERS[optimizer] * rec.param_bytes
+    states = rec.param_bytes + rec.grad_bytes + OPTIMIZERS[optimizer] * rec.param_bytes // dp_shard
     tokens = x.get("seq", 0) * x.get("micro_batch", 0)
     step = Step(segments=segments, n_forward=rec.n_forward, tensors=tensors,
                 model_state_bytes=states, workspace_bytes=rec.transient_bytes, tokens=tokens,
                 tag=f"{name} seq={seq} mb={x.get('micro_batch')} traced",
                 segment_block=blocks[:rec.n_forward], segment_kind=kinds)
-    meta = {"model": name, "hardware": hw.name, "optimizer": optimizer,
+    meta = {"model": name, "hardware": hw.name, "optimizer": optimizer, "dp_shard": dp_shard,
             "params": rec.param_bytes // 4,                # weights are built in fp32
             "traced_layers": x.get("traced_layers", x.get("layers")), "layers": x.get("layers"),
             "step_peak_bytes": rec.peak_bytes, "settings": {k: x.get(k) for k in (
@@ -162,11 +202,12 @@ class TracedModel:
     per setting) and a one-line description."""
 
     def __init__(self, spec: str, hw: Hardware, *, seq: int, micro_batch: int, dtype: str,
-                 optimizer: str, attn: str = "sdpa") -> None:
+                 optimizer: str, attn: str = "sdpa", dp_shard: int = 1) -> None:
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}; "
                              f"got {optimizer!r}")
         self.spec, self.hw, self.dtype, self.optimizer, self.attn = spec, hw, dtype, optimizer, attn
+        self.dp_shard = dp_shard
         self.seq, self.micro_batch = seq, micro_batch
         self.name = Path(spec).stem if spec.endswith(".json") else spec
         self._traces: dict = {}
@@ -176,7 +217,7 @@ class TracedModel:
         if key not in self._traces:
             rec = trace_hf(self.spec, seq=key[0], micro_batch=key[1], dtype=self.dtype,
                            attn=self.attn)
-            self._traces[key] = to_trace(rec, self.hw, self.optimizer, self.name)
+            self._traces[key] = to_trace(rec, self.hw, self.optimizer, self.name, self.dp_shard)
         return self._traces[key]
 
     def describe(self) -> str:
@@ -186,7 +227,14 @@ class TracedModel:
         amp = "bf16 autocast, fp32 weights" if self.dtype == "bf16" else "fp32"
         return (f"{self.name} (traced on fake tensors): {m['params'] / 1e9:.2f}B params, {layers}; "
                 f"seq {self.seq} x micro-batch {self.micro_batch}, {amp}, attention "
-                f"{self.attn}, {self.optimizer}")
+                f"{self.attn}, {self.optimizer}"
+                + (f" (moments ZeRO-1 over {self.dp_shard})" if self.dp_shard > 1 else ""))
+
+    def on(self, hw: Hardware) -> "TracedModel":
+        """The same model and settings timed on another hardware profile."""
+        return TracedModel(self.spec, hw, seq=self.seq, micro_batch=self.micro_batch,
+                           dtype=self.dtype, optimizer=self.optimizer, attn=self.attn,
+                           dp_shard=self.dp_shard)
 
 
 def capacity(model: TracedModel, policies: list, advance=lambda: None) -> dict:
@@ -218,3 +266,43 @@ def capacity(model: TracedModel, policies: list, advance=lambda: None) -> dict:
         advance()
         out[p] = row
     return out
+
+
+def compare(model: TracedModel, hws: list, approaches, budget: Optional[int] = None,
+            advance=lambda: None) -> list[dict]:
+    """``sweeps.compare`` for a traced model: a traced step cannot be re-sharded, so instead of
+    tensor-parallel degrees this compares the approaches at one degree across hardware profiles
+    (``hws``), at ``budget`` (default: what each device leaves once model states, workspace and
+    its reserve are taken). Memory binds where ``none`` does not fit."""
+    from .policies import run
+    from .sweeps import default_budget, demand_bytes, speedups
+    rows = []
+    for hw in hws:
+        trace = model.on(hw).trace()
+        step = trace.steps[0]
+        b = default_budget(step, hw) if budget is None else budget
+        row: dict = {"hardware": hw.name, "budget_bytes": b,
+                     "activation_bytes": step.activation_bytes,
+                     "model_state_bytes": step.model_state_bytes,
+                     "demand_ratio": demand_bytes(step, hw) / hw.device_memory_bytes}
+        cache: dict = {}
+        hopeless = step.model_state_bytes + step.workspace_bytes > hw.usable_bytes
+        for a in approaches:
+            if hopeless:              # model states alone overflow: no policy fits, skip planning
+                row[a] = {"fits": False, "step_seconds": None, "stall_seconds": None,
+                          "tokens_per_second_per_device": None, "peak_bytes": None,
+                          "moved_bytes": None}
+                advance()
+                continue
+            r = run(trace, a, b, device_bytes=hw.usable_bytes, host_bytes=hw.host_memory_bytes,
+                    plan_cache=cache)
+            row[a] = {"fits": r.fits, "step_seconds": r.step_seconds,
+                      "stall_seconds": r.stall_seconds,
+                      "tokens_per_second_per_device": r.tokens_per_second,
+                      "peak_bytes": r.peak_bytes, "moved_bytes": r.moved_bytes}
+            advance()
+        fitting = {a: row[a] if row[a]["fits"] else None for a in approaches}
+        row.update(speedups(fitting))
+        row["memory_binds"] = not row["none"]["fits"] if "none" in row else None
+        rows.append(row)
+    return rows

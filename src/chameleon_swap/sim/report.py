@@ -127,6 +127,7 @@ def plot_compare(rows: list[dict], title: str, path: str) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.2))
     models = [r["model"] for r in rows]
     from .sweeps import APPROACHES
+    APPROACHES = [a for a in APPROACHES if rows and a in rows[0]]   # those that ran
     width = 0.8 / len(APPROACHES)
     for k, a in enumerate(APPROACHES):
         ys = [(r[a]["tokens_per_second_per_device"] if r[a] else 0) for r in rows]

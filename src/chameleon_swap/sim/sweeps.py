@@ -127,19 +127,50 @@ def capacity(cfg: ModelConfig, hw: Hardware, policies: list[str],
     return out
 
 
-APPROACHES = ("chameleon", "full-recompute", "selective-recompute", "none")
+APPROACHES = ("chameleon", "hybrid", "full-recompute", "selective-recompute", "none")
+# (key, swapping approach, the other): speedups reported by ``compare``.
+SPEEDUPS = (("vs_full_recompute", "chameleon", "full-recompute"),
+            ("vs_selective_recompute", "chameleon", "selective-recompute"),
+            ("vs_tensor_parallel", "chameleon", "none"),
+            ("hybrid_vs_full_recompute", "hybrid", "full-recompute"),
+            ("hybrid_vs_selective_recompute", "hybrid", "selective-recompute"),
+            ("hybrid_vs_tensor_parallel", "hybrid", "none"))
+
+
+def speedups(row: dict) -> dict:
+    """tokens/s per device of each swapping approach over each other one, minus 1 (None where
+    either is absent from ``row`` or did not fit)."""
+    out = {}
+    for key, a, other in SPEEDUPS:
+        x, o = row.get(a), row.get(other)
+        out[key] = (x["tokens_per_second_per_device"] / o["tokens_per_second_per_device"] - 1
+                    if x and o else None)
+    return out
+
+
+def parse_approaches(text: Optional[str]) -> list[str]:
+    """``--approaches``: a comma-separated subset of ``APPROACHES`` (default: all)."""
+    if not text:
+        return list(APPROACHES)
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [n for n in names if n not in APPROACHES]
+    if bad or not names:
+        raise ValueError(f"--approaches must be a comma-separated list from "
+                         f"{', '.join(APPROACHES)}; got {text!r}")
+    return names
 
 
 def compare(models: list[str], hw: Hardware, run_settings: dict, degrees=DEGREES,
-            advance: Callable[[], None] = lambda: None) -> list[dict]:
+            advance: Callable[[], None] = lambda: None, approaches=APPROACHES) -> list[dict]:
     """Per model: each approach at the smallest tensor-parallel degree where it fits on ``hw``
-    (equal memory: the same device), its tokens/s per device there, and chameleon's speedup over
-    recomputation and over the higher-degree parallelism that runs without either."""
+    (equal memory: the same device), its tokens/s per device there, and chameleon's and
+    hybrid's speedups over recomputation and over the higher-degree parallelism that runs
+    without either."""
     cache: dict = {}
     rows = []
     for name in models:
         row: dict = {"model": name, "params": preset(name).params()}
-        for a in APPROACHES:
+        for a in approaches:
             row[a] = None
             for d in degrees:
                 try:
@@ -153,12 +184,6 @@ def compare(models: list[str], hw: Hardware, run_settings: dict, degrees=DEGREES
                               "tokens_per_second_per_device": r.tokens_per_second / d}
                     break
             advance()
-        ch = row["chameleon"]
-        for other, key in (("full-recompute", "vs_full_recompute"),
-                           ("selective-recompute", "vs_selective_recompute"),
-                           ("none", "vs_tensor_parallel")):
-            o = row[other]
-            row[key] = (ch["tokens_per_second_per_device"] / o["tokens_per_second_per_device"] - 1
-                        if ch and o else None)
+        row.update(speedups(row))
         rows.append(row)
     return rows
