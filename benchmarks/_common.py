@@ -31,6 +31,21 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def timed(device: torch.device, fn):
+    """Run ``fn()`` synchronized on both sides: (its result, wall seconds, the device memory it
+    allocated above what was allocated when it began, CUDA only, else None)."""
+    sync(device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    t0 = now()
+    out = fn()
+    sync(device)
+    dt = now() - t0
+    return out, dt, (torch.cuda.max_memory_allocated(device) - base) if cuda else None
+
+
 def markdown_table(header: list[str], rows: list[list]) -> str:
     def cell(v) -> str:
         if isinstance(v, float):

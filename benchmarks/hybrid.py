@@ -174,19 +174,12 @@ def main(argv=None) -> int:
                     order = modes[rep % len(modes):] + modes[:rep % len(modes)]
                     losses = {}
                     for m in order:
-                        C.sync(device)
-                        if device.type == "cuda":
-                            torch.cuda.reset_peak_memory_stats(device)
-                            base = torch.cuda.memory_allocated(device)
-                        t0 = C.now()
-                        losses[m] = run(m, engines, T)
-                        C.sync(device)
-                        dt = C.now() - t0
+                        losses[m], dt, peak = C.timed(device, lambda: run(m, engines, T))
                         rec[m]["all"].append(dt)
                         if rep >= a.warmup:
                             rec[m]["times"].append(dt)
-                        if device.type == "cuda":
-                            rec[m]["peaks"].append(torch.cuda.max_memory_allocated(device) - base)
+                        if peak is not None:
+                            rec[m]["peaks"].append(peak)
                         if m in engines:
                             rec[m]["stats"].append(engines[m].last_step)
                         advance()

@@ -23,7 +23,6 @@ here) and the model builds: about a minute, estimated; well inside a ten-minute 
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 from pathlib import Path
 
@@ -120,18 +119,11 @@ def main(argv=None) -> int:
             order = modes[rep % len(modes):] + modes[:rep % len(modes)]
             losses = {}
             for m in order:
-                C.sync(device)
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                    base = torch.cuda.memory_allocated(device)
-                t0 = C.now()
-                losses[m] = run(m)
-                C.sync(device)
-                dt = C.now() - t0
+                losses[m], dt, peak = C.timed(device, lambda: run(m))
                 if rep >= a.warmup:
                     times[m].append(dt)
-                    if device.type == "cuda":
-                        device_peaks[m].append(torch.cuda.max_memory_allocated(device) - base)
+                    if peak is not None:
+                        device_peaks[m].append(peak)
                     if m in engines:
                         stats[m].append(engines[m].last_step)
                 advance()

@@ -9,6 +9,8 @@ by Python: every activation that survives the forward pass is held by autograd a
   ``requires_grad`` as weights, so the engine's module hooks never fire (its guard must work from
   the unpack hook alone).
 * ``random_model(spec)``: a random stack of blocks for hypothesis (``SPEC_BLOCKS``).
+* ``tiny_llama``, ``tiny_moe``, ``lm_batches``: the workloads' Llama and MoE at test size, and
+  seeded token batches for them.
 * ``TModel``: a stack of pre-norm transformer blocks with dropout whose mask and rotary (cos, sin)
   tuple are passed as keyword arguments only, as Hugging Face layers get them.
 """
@@ -20,6 +22,32 @@ from typing import Iterator, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+
+TINY_LM = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
+
+
+def tiny_llama(**overrides):
+    from chameleon_swap.workloads import Llama, LlamaConfig
+    torch.manual_seed(0)
+    return Llama(LlamaConfig(**{**TINY_LM, **overrides}))
+
+
+def tiny_moe(**overrides):
+    from chameleon_swap.workloads import MoE, MoEConfig
+    torch.manual_seed(0)
+    return MoE(MoEConfig(**{**TINY_LM, "n_experts": 4, "top_k": 2, **overrides}))
+
+
+def tokens(vocab_size: int, B: int, T: int, seed: int) -> tuple:
+    """(inputs, targets) of ``B`` random sequences of length ``T``."""
+    t = torch.randint(vocab_size, (B, T + 1), generator=_gen(seed))
+    return t[:, :-1], t[:, 1:]
+
+
+def lm_batches(model, lengths, B: int = 2) -> list:
+    """One seeded batch per length (seed = position), for ``tiny_llama`` / ``tiny_moe``."""
+    return [tokens(model.config.vocab_size, B, T, seed=i) for i, T in enumerate(lengths)]
 
 
 def _gen(seed: int) -> torch.Generator:

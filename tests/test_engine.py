@@ -13,34 +13,21 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import chameleon_swap as cs
-from chameleon_swap.workloads import Llama, LlamaConfig, MoE, MoEConfig
 
 from _helpers import assert_bitwise, compare, grads, natural_peak, train_step
-from _models import SPEC_BLOCKS, FunctionalModel, ViewsModel, randn, random_model
+from _models import (SPEC_BLOCKS, FunctionalModel, ViewsModel, lm_batches, randn, random_model,
+                     tiny_llama, tiny_moe)
+from _models import tokens as _tokens
 
 FRACTIONS = [1.0, 0.5, 0.2, 0.05, 0.0]
 POLICIES = ["guard", "chameleon", "static"]     # every policy, whichever is the default
-TINY = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
 
 
 def tokens(cfg, B, T, seed):
-    g = torch.Generator().manual_seed(seed)
-    t = torch.randint(cfg.vocab_size, (B, T + 1), generator=g)
-    return t[:, :-1], t[:, 1:]
+    return _tokens(cfg.vocab_size, B, T, seed)
 
 
-def llama():
-    torch.manual_seed(0)
-    return Llama(LlamaConfig(**TINY))
-
-
-def moe():
-    torch.manual_seed(0)
-    return MoE(MoEConfig(**TINY, n_experts=4, top_k=2))
-
-
-def lm_batches(model, lengths, B=2):
-    return [tokens(model.config, B, T, seed=i) for i, T in enumerate(lengths)]
+llama, moe = tiny_llama, tiny_moe
 
 
 def dense_batches(lengths, B=2, dim=16):

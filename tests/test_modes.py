@@ -11,34 +11,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import chameleon_swap as cs
-from chameleon_swap.workloads import Llama, LlamaConfig, MoE, MoEConfig
 
 from _helpers import assert_bitwise, compare, grads, natural_peak, train_step
-from _models import SPEC_BLOCKS, randn, random_model
+from _models import SPEC_BLOCKS, lm_batches, randn, random_model, tiny_llama, tiny_moe
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")   # see conftest.py
 
-TINY = dict(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=128)
 SLOW, FAST = "10MB/s", "1TB/s"
 
 
 def llama():
-    torch.manual_seed(0)
-    return Llama(LlamaConfig(**TINY))
+    return tiny_llama(n_layers=3)
 
 
 def moe():
-    torch.manual_seed(0)
-    return MoE(MoEConfig(**TINY, n_experts=4, top_k=2))
-
-
-def lm_batches(model, lengths, B=2):
-    out = []
-    for i, T in enumerate(lengths):
-        g = torch.Generator().manual_seed(i)
-        t = torch.randint(model.config.vocab_size, (B, T + 1), generator=g)
-        out.append((t[:, :-1], t[:, 1:]))
-    return out
+    return tiny_moe(n_layers=3)
 
 
 class Cheap(nn.Module):

@@ -10,32 +10,22 @@ import torch
 import torch.nn as nn
 
 import chameleon_swap as cs
-from chameleon_swap.workloads import Llama, LlamaConfig, MoE, MoEConfig
 
 from _helpers import assert_bitwise, grads, train_step
-from _models import randn
+from _models import TINY_LM, randn, tiny_llama, tiny_moe
+from _models import tokens as _tokens
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")   # see conftest.py
 
-TINY = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
+TINY = TINY_LM
 INPLACE_ERROR = "modified by an inplace operation"
 
 
 def tokens(B, T, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    t = torch.randint(TINY["vocab_size"], (B, T + 1), generator=g)
-    return t[:, :-1], t[:, 1:]
+    return _tokens(TINY["vocab_size"], B, T, seed)
 
 
-def llama():
-    torch.manual_seed(0)
-    return Llama(LlamaConfig(**TINY))
-
-
-def moe():
-    torch.manual_seed(0)
-    return MoE(MoEConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                         max_seq_len=64, n_experts=4, top_k=2))
+llama, moe = tiny_llama, tiny_moe
 
 
 def global_hooks() -> tuple[int, int]:

@@ -46,7 +46,9 @@ def test_modes_order_memory_and_time():
 
 def test_a_slow_link_shows_as_stall():
     import dataclasses
-    slow = dataclasses.replace(HW, h2d_bytes_per_s=1e8, d2h_bytes_per_s=1e8)
+    # The measured link, where a profile has one, is what the simulator uses: slow both.
+    slow = dataclasses.replace(HW, h2d_bytes_per_s=1e8, d2h_bytes_per_s=1e8,
+                               measured_h2d_bytes_per_s=None, measured_d2h_bytes_per_s=None)
     fast = simulate_pipeline(CFG, HW, 4, 8, "1f1b", "engine", budget=2**30)
     res = simulate_pipeline(CFG, slow, 4, 8, "1f1b", "engine", budget=2**30)
     assert res.ranks[0].stall_seconds > 0

@@ -40,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from typing import Iterator, Optional
+from typing import Iterator
 
 from torch.distributed.pipelining.schedules import (
     _Action,

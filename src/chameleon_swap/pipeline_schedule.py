@@ -26,7 +26,7 @@ Every order is checked by ``time_schedule``: it raises when an order would deadl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 SCHEDULES = ("1f1b", "interleaved", "chronos")
 

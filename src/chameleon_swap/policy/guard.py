@@ -96,9 +96,8 @@ class GuardPolicy:
             return
         if self._back_moves != ex.moves:
             # Something went out since the list was built (forward, a forced copy-out, a dropped
-            # device copy): rebuild it once, in save order.
-            self._back = sorted((r for r in list(ex.live) if r.state in (HOST, OFFLOADING)),
-                                key=lambda r: r.index)
+            # device copy): rebuild it once, needed first at the end.
+            self._back = self._back_order(r for r in list(ex.live) if r.state in (HOST, OFFLOADING))
             self._back_moves = ex.moves
         room = ex.budget - ex.resident_bytes - ex.recompute_reserve
         back = self._back
@@ -114,6 +113,10 @@ class GuardPolicy:
             back.pop()
             ex.prefetch(rec)
             room -= rec.nbytes
+
+    def _back_order(self, recs) -> list:
+        """Records to copy back, the one backward needs first last: reverse save order."""
+        return sorted(recs, key=lambda r: r.index)
 
     def make_room_backward(self, rec: Record) -> bool:
         """Room to keep a record fetched on demand: drop device copies of restored records that

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Optional
 
-from ..executor import HOST, OFFLOADING, RESIDENT, Record
+from ..executor import RESIDENT, Record
 from .guard import GuardPolicy
 
 FAR = 1 << 30      # position of a backward the schedule does not name: after every named one
@@ -93,13 +93,7 @@ class ScheduleGuardPolicy(GuardPolicy):
         """Copy back what the coming backwards need, as far as the budget allows."""
         self._prefetch()
 
-    def _prefetch(self) -> None:
-        ex = self.ex
-        if ex.budget is None:
-            return
-        if self._back_moves != ex.moves:
-            # Needed first at the end of the list, like the guard's (which is save order).
-            self._back = sorted((r for r in list(ex.live) if r.state in (HOST, OFFLOADING)),
-                                key=self._key, reverse=True)
-            self._back_moves = ex.moves
-        super()._prefetch()
+    def _back_order(self, recs) -> list:
+        """Needed first at the end of the list, like the guard's, by when the schedule's
+        backwards need them."""
+        return sorted(recs, key=self._key, reverse=True)
