@@ -8,11 +8,9 @@ one sample under bf16 autocast with fp32 weights, as ``hf_trace`` traces the lan
 """
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import asdict
 
-from .traced import CACHE_VERSION, Recording, cache_dir
+from .traced import Recording, cached
 
 OPEN_SORA_PLAN = dict(in_channels=8, dim=2304, n_layers=32, n_heads=24, sparse_k=4,
                       text_len=512, text_dim=4096, batch_size=1, buckets=((24, 44, 80),))
@@ -24,14 +22,6 @@ def trace_dit(use_cache: bool = True, **fields) -> Recording:
     from ..workloads.dit import VideoDiT, VideoDiTConfig
     from .fake_trace import trace_module
     cfg = VideoDiTConfig(**fields)
-    key = hashlib.sha256(json.dumps([CACHE_VERSION, "dit", asdict(cfg), torch.__version__],
-                                    sort_keys=True, default=str).encode()).hexdigest()[:24]
-    path = cache_dir() / f"trace-{key}.json"
-    if use_cache and path.is_file():
-        try:
-            return Recording.from_dict(json.loads(path.read_text()))
-        except (ValueError, TypeError, KeyError):
-            pass                                  # a stale or damaged entry: trace again
     T, H, W = cfg.buckets[0]
     B = cfg.batch_size
 
@@ -41,13 +31,10 @@ def trace_dit(use_cache: bool = True, **fields) -> Recording:
         text = torch.zeros(B, cfg.text_len, cfg.text_dim)
         return model(x, t, text, noise=torch.zeros_like(x))
 
-    rec = trace_module(lambda: VideoDiT(cfg), loss_fn, autocast=torch.bfloat16)
-    tokens = -(-T // cfg.patch_t) * (H // cfg.patch) * (W // cfg.patch)
-    rec.extra.update(seq=tokens, micro_batch=B, dtype="bf16", attn="sdpa",
-                     model_type="video-dit")
-    if use_cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(rec.to_dict()))
-        tmp.replace(path)
-    return rec
+    def make() -> Recording:
+        rec = trace_module(lambda: VideoDiT(cfg), loss_fn, autocast=torch.bfloat16)
+        tokens = -(-T // cfg.patch_t) * (H // cfg.patch) * (W // cfg.patch)
+        rec.extra.update(seq=tokens, micro_batch=B, dtype="bf16", attn="sdpa",
+                         model_type="video-dit")
+        return rec
+    return cached(["dit", asdict(cfg), torch.__version__], make, use_cache)

@@ -7,15 +7,13 @@ training runs: fp32 weights under ``torch.autocast`` to bf16; ``fp32`` runs with
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 from pathlib import Path
 from typing import Optional
 
 from .hardware import Hardware
 from .trace import Step, Tensor, Trace
-from .traced import (CACHE_VERSION, OPTIMIZERS, TRACED_LAYERS, Recording, cache_dir,
-                     scale_layers)
+from .traced import OPTIMIZERS, TRACED_LAYERS, Recording, cached, scale_layers
 
 DTYPES = ("bf16", "fp32")
 
@@ -50,22 +48,9 @@ def hf_config(spec: str, **overrides):
 def _record(cfg, seq: int, micro_batch: int, dtype: str, attn: str, use_cache: bool) -> Recording:
     import torch
     import transformers
-    key = hashlib.sha256(json.dumps(
-        [CACHE_VERSION, cfg.to_dict(), seq, micro_batch, dtype, attn, torch.__version__,
-         transformers.__version__], sort_keys=True, default=str).encode()).hexdigest()[:24]
-    path = cache_dir() / f"trace-{key}.json"
-    if use_cache and path.is_file():
-        try:
-            return Recording.from_dict(json.loads(path.read_text()))
-        except (ValueError, TypeError, KeyError):
-            pass                                  # a stale or damaged entry: trace again
-    rec = _run(cfg, seq, micro_batch, dtype, attn)
-    if use_cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(rec.to_dict()))
-        tmp.replace(path)
-    return rec
+    return cached([cfg.to_dict(), seq, micro_batch, dtype, attn, torch.__version__,
+                   transformers.__version__],
+                  lambda: _run(cfg, seq, micro_batch, dtype, attn), use_cache)
 
 
 def _run(cfg, seq: int, micro_batch: int, dtype: str, attn: str) -> Recording:

@@ -14,11 +14,13 @@ FlashAttention kernel, which saves what the CUDA one does (output and fp32 log-s
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 
 TRACED_LAYERS = 4
@@ -80,6 +82,26 @@ def cache_dir() -> Path:
         return Path(os.environ["CHAMELEON_SWAP_CACHE"])
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "chameleon-swap"
+
+
+def cached(key_parts: list, make: Callable[[], "Recording"], use_cache: bool) -> "Recording":
+    """The recording of ``make()``, kept on disk under a hash of ``key_parts`` (JSON-able): read
+    back when present (a stale or damaged entry is traced again), written atomically after."""
+    key = hashlib.sha256(json.dumps([CACHE_VERSION, *key_parts], sort_keys=True,
+                                    default=str).encode()).hexdigest()[:24]
+    path = cache_dir() / f"trace-{key}.json"
+    if use_cache and path.is_file():
+        try:
+            return Recording.from_dict(json.loads(path.read_text()))
+        except (ValueError, TypeError, KeyError):
+            pass
+    rec = make()
+    if use_cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rec.to_dict()))
+        tmp.replace(path)
+    return rec
 
 
 # ----------------------------------------------------------------------------- layer scaling
