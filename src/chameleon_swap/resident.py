@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 
 from ._eager import frame_callback, mark_eager
-from .executor import RELEASED, UNMARKED, Executor, Record, version_error
+from .executor import Executor
+from .records import RELEASED, UNMARKED, Record, version_error
 
 
 class _Saved(tuple):
