@@ -58,7 +58,6 @@ class BlockModes:
         self._probe: Optional[int] = None               # block to run selective once
         self._probed = False
         self.eligible: list[bool] = []                  # per runner block (set by the engine)
-        self.planner_seconds = 0.0
         self.begin_step(None)
 
     # ------------------------------------------------------------------ during the step
@@ -170,8 +169,6 @@ class BlockModes:
         self.plans.clear()                   # every key is planned again with selective known
 
     def _make(self, key: int) -> None:
-        import time
-        t0 = time.perf_counter()
         view = self.views.get(key)
         measured = view is not None
         if view is None:
@@ -191,7 +188,6 @@ class BlockModes:
             # The last full block in forward order: its kept outputs are held the shortest
             # (its backward comes first), and then only as part of its working set.
             self._probe = max(b for b, m in modes.items() if m == "full")
-        self.planner_seconds += time.perf_counter() - t0
 
     def _with_selective(self, prof: Profile, blk: Block) -> Block:
         if self.sel_bytes_ratio is None:

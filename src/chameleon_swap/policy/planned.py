@@ -19,6 +19,7 @@ planner, run once on the first step after warm-up, then applied by save position
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Optional
 
@@ -267,7 +268,9 @@ class ChameleonPolicy:
             self._adapt(profile)
             self._prev_sig = profile.signature
         if profile is not None and profile.blocks:
+            t0 = time.perf_counter()         # mode planning counts as planning time too
             self.modes.end_step(profile, profile.blocks, ok=True)
+            self.planner_seconds += time.perf_counter() - t0
         self.step_no += 1
 
     def block_mode(self, b: int, input_bytes: int) -> str:
@@ -308,8 +311,6 @@ class ChameleonPolicy:
         self._want_detail = (miss and not profile.detailed) or any(not e.detailed for e in recent)
 
     def _make(self, profile) -> PlanEntry:
-        import time
-
         from ..planner import plan as make_plan
         t0 = time.perf_counter()
         d2h, h2d = self.bandwidth_fn()
