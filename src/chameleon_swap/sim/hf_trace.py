@@ -7,11 +7,11 @@ training runs: fp32 weights under ``torch.autocast`` to bf16; ``fp32`` runs with
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 from typing import Optional
 
 from .hardware import Hardware
+from .models import read_json
 from .trace import Step, Tensor, Trace
 from .traced import OPTIMIZERS, TRACED_LAYERS, Recording, cached, scale_layers
 
@@ -25,12 +25,7 @@ def hf_config(spec: str, **overrides):
     from transformers import AutoConfig
     path = Path(spec)
     if spec.endswith(".json") or path.is_file():
-        if not path.is_file():
-            raise ValueError(f"--hf: no such file {spec!r}")
-        try:
-            fields = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--hf: {spec} is not valid JSON ({exc})") from exc
+        fields = read_json(spec, "--hf")
         if not isinstance(fields, dict) or "model_type" not in fields:
             raise ValueError(f"--hf: {spec} must be a transformers config with a model_type")
         spec = fields.pop("model_type")

@@ -186,6 +186,18 @@ def preset(name: str, **overrides) -> ModelConfig:
     return ModelConfig(name=name, **kw)
 
 
+
+def read_json(spec: str, arg: str):
+    """The JSON in file ``spec``; errors name the argument ``arg`` it was given as."""
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"{arg}: no such file {spec!r}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{arg}: {spec} is not valid JSON ({exc})") from exc
+
+
 def resolve(name_or_path: str, **overrides) -> ModelConfig:
     """A preset by name, or a JSON file of ``ModelConfig`` fields (any shape: layers, hidden,
     heads, kv_heads, ffn, vocab, experts, top_k, ...), with ``overrides`` applied."""
@@ -195,12 +207,7 @@ def resolve(name_or_path: str, **overrides) -> ModelConfig:
     if not (name_or_path.endswith(".json") or path.is_file()):
         raise ValueError(f"model must be one of {', '.join(PRESETS)}, or a JSON file of "
                          f"ModelConfig fields; got {name_or_path!r}")
-    if not path.is_file():
-        raise ValueError(f"model: no such file {name_or_path!r}")
-    try:
-        fields = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"model: {name_or_path} is not valid JSON ({exc})") from exc
+    fields = read_json(name_or_path, "model")
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     if not isinstance(fields, dict) or set(fields) - known:
         bad = sorted(set(fields) - known) if isinstance(fields, dict) else fields
