@@ -31,6 +31,17 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def check_counts(p, a, positive, non_negative=("warmup",)) -> None:
+    """``p.error`` (argparse's clear exit) unless each of ``positive`` is > 0 and each of
+    ``non_negative`` is >= 0 (names as attributes of ``a``; flags spelled with dashes)."""
+    for k in positive:
+        if getattr(a, k) <= 0:
+            p.error(f"--{k.replace('_', '-')} must be a positive integer; got {getattr(a, k)}")
+    for k in non_negative:
+        if getattr(a, k) < 0:
+            p.error(f"--{k.replace('_', '-')} must be >= 0; got {getattr(a, k)}")
+
+
 def timed(device: torch.device, fn):
     """Run ``fn()`` synchronized on both sides: (its result, wall seconds, the device memory it
     allocated above what was allocated when it began, CUDA only, else None)."""

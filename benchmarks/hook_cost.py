@@ -69,11 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--device cuda was given but torch.cuda.is_available() is False")
     if a.quick:
         a.rounds, a.steps, a.warmup, a.depth = 2, 2, 1, 8
-    for k in ("rounds", "steps", "depth", "dim", "batch"):
-        if getattr(a, k) <= 0:
-            p.error(f"--{k} must be a positive integer; got {getattr(a, k)}")
-    if a.warmup < 0:
-        p.error(f"--warmup must be >= 0; got {a.warmup}")
+    C.check_counts(p, a, ("rounds", "steps", "depth", "dim", "batch"))
     return a
 
 

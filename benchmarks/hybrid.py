@@ -73,8 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                 f"got {a.config!r}")
     if a.reps is None:
         a.reps = 2 if a.quick else 4
-    if a.reps < 1 or a.warmup < 0:
-        p.error("--reps must be >= 1 and --warmup >= 0")
+    C.check_counts(p, a, ("reps",))
     return a
 
 

@@ -62,11 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for k, v in big.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
-    for k in ("reps", "dim", "layers", "batch", "seq"):
-        if getattr(a, k) <= 0:
-            p.error(f"--{k} must be a positive integer; got {getattr(a, k)}")
-    if a.warmup < 0:
-        p.error(f"--warmup must be >= 0; got {a.warmup}")
+    C.check_counts(p, a, ("reps", "dim", "layers", "batch", "seq"))
     return a
 
 

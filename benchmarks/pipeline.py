@@ -60,9 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.size = size
     a.reps = a.reps if a.reps is not None else size["reps"]
     a.micro_batches = a.micro_batches or 2 * a.world
-    for k in ("world", "reps", "micro_batches"):
-        if getattr(a, k) <= 0:
-            p.error(f"--{k.replace('_', '-')} must be a positive integer; got {getattr(a, k)}")
+    C.check_counts(p, a, ("world", "reps", "micro_batches"), non_negative=())
     if 2 * a.world > a.size["layers"]:
         p.error(f"--world {a.world} needs {2 * a.world} layers for the Chronos V; the model has "
                 f"{a.size['layers']}")
