@@ -22,7 +22,7 @@ Modes:
 * ``budget forces moves``: a quarter of the natural peak (tensors are copied out and back).
 
 Every step is split into forward (its packs), backward (its unpacks) and the step's end (the
-engine's ``_finish_step``). Per pack: (forward - forward of ``none``) / packs; per unpack:
+engine's ``step_end.finish_step``). Per pack: (forward - forward of ``none``) / packs; per unpack:
 (backward - backward of ``none``) / unpacks; per saved tensor: (step - step of ``none``) / packs.
 In the ``modules`` workload the forward figure also carries the module hooks.
 

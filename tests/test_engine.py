@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import chameleon_swap as cs
+from chameleon_swap import step_end
 
 from _helpers import assert_bitwise, compare, grads, natural_peak, train_step
 from _models import (SPEC_BLOCKS, FunctionalModel, ViewsModel, lm_batches, randn, random_model,
@@ -88,10 +89,13 @@ def test_functional_model_fires_no_module_hook():
     batches = dense_batches([6])
     ref = copy.deepcopy(model)
     with engine(int(natural_peak(model, batches[0]) * 0.3)) as eng:
+        # The module hooks report every module call to the profiler; no module, no call. (The
+        # hooks themselves are bound at creation, so the profiler is where a spy can see them.)
         fired = []
-        orig_pre, orig_post = eng._module_pre, eng._module_post
-        eng._module_pre = lambda *a: (fired.append(a), orig_pre(*a))
-        eng._module_post = lambda *a: (fired.append(a), orig_post(*a))
+        prof = eng._profiler
+        enter, leave = prof.module_enter, prof.module_exit
+        prof.module_enter = lambda m: (fired.append(m), enter(m))
+        prof.module_exit = lambda m: (fired.append(m), leave(m))
         loss = train_step(model, batches[0], eng)
         assert fired == []
         assert eng.last_step.offloaded_bytes > 0
@@ -227,7 +231,7 @@ def test_the_step_end_waits_for_the_device_only_when_a_figure_needs_it(
     b = lm_batches(model, [12])[0]
     with engine(budget, trace_dir=tmp_path if trace else None) as eng:
         syncs = []
-        monkeypatch.setattr(eng, "_sync_device", lambda: syncs.append(eng._profiler.detailed))
+        monkeypatch.setattr(step_end, "sync_device", lambda device: syncs.append(eng._profiler.detailed))
         for _ in range(3):
             train_step(model, b, eng)
     assert len(syncs) == (3 if synced else 0)

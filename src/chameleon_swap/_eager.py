@@ -68,3 +68,7 @@ def mark_eager(fn):
 
 # None in eager code (no frame callback set); see ``mark_eager``.
 frame_callback = _callback if _callback is not None else (lambda: None)
+
+# True while torch.compile traces: the engine's module hooks step aside then (no graph breaks);
+# a compiled region's saved tensors still go through the pack/unpack hooks, which run eagerly.
+is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)

@@ -10,6 +10,7 @@ import os
 import re
 from decimal import Decimal, localcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Union
 
 SizeLike = Union[int, float, str, None]
@@ -120,6 +121,24 @@ def _bounded(n: int, value, name: str) -> int:
     if n > _MAX_BYTES:
         raise ValueError(f"{name} must be {_ACCEPTED}; {value!r} is too large (over 2**64 bytes)")
     return n
+
+
+def trace_dir_path(value) -> Optional[Path]:
+    """``trace_dir`` checked and created: a directory path (str or os.PathLike) or None."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"trace_dir must be a directory path (str or os.PathLike) or None; "
+                        f"got {type(value).__name__} {value!r}")
+    path = Path(value)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"trace_dir must be a directory; {str(path)!r} is a file")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"trace_dir={str(path)!r} could not be created ({e.strerror or e}); pass "
+                         f"a directory that exists or can be created, or None") from e
+    return path
 
 
 def format_bytes(n: Optional[float]) -> str:

@@ -1,5 +1,6 @@
 """``Chameleon``: the user's object. Configuration, ``step()`` and wiring (``StepStats``, history and
-totals live in ``history.py``).
+totals live in ``history.py``; the end of a step, which builds them, in ``step_end.py``; the global
+module hooks in ``module_hooks.py``).
 
 No policy logic lives here: the engine builds a copy engine, a host arena, an executor and a policy,
 installs the hooks for the duration of a step, and turns the executor's counters into a
@@ -8,31 +9,27 @@ installs the hooks for the duration of a step, and turns the executor's counters
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import threading
 import time
-import warnings
 import weakref
-from pathlib import Path
 from typing import Iterator, Optional, Union
 
 import torch
 
+from . import module_hooks
 from .config import (DEFAULT_HISTORY_SIZE, DEFAULT_MIN_TENSOR_BYTES, EngineConfig, SizeLike,
-                     format_bytes)
+                     format_bytes, trace_dir_path)
 from .copy import make_copy_engine
 from .copy.bandwidth import cached_bandwidth, resolve_device
 from ._eager import eager
 from .copy.host_pool import HostPool
 from .executor import Executor
-from .history import StepHistory, StepStats, StepTotals, block_stats
+from .history import StepHistory, StepStats, StepTotals
 from .policy import make_policy
 from .policy.memory import DeviceMemoryBudget
 from .profiler import Profiler
-from .sequence import similarity
-
-log = logging.getLogger("chameleon_swap")
+from .step_end import finish_step
 
 
 class Chameleon:
@@ -119,7 +116,7 @@ class Chameleon:
                             f"got {type(model).__name__}")
         if blocks is not None and model is None:
             raise ValueError("blocks= names blocks of a model: pass model= too")
-        self._trace_dir = _trace_dir(trace_dir)   # checked before anything is allocated
+        self._trace_dir = trace_dir_path(trace_dir)   # checked before anything is allocated
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = resolve_device(device, "device")
@@ -148,8 +145,8 @@ class Chameleon:
         self._runner = self._make_runner(model, blocks)
         self._prev_ids: Optional[list] = None
         self._state_bytes = 0                     # device bytes allocated when a step began
-        self._hooks = self._register_module_hooks()
-        weakref.finalize(self, _remove_hooks, list(self._hooks))
+        self._hooks = module_hooks.register(self, self._resident_only)
+        weakref.finalize(self, module_hooks.remove, list(self._hooks))
         if self._resident_only:
             from .resident import resident_hooks
             self._ex.pack, self._ex.unpack = resident_hooks(self._ex)
@@ -230,6 +227,9 @@ class Chameleon:
             return given, given
         bw = cached_bandwidth(self.device)
         return bw.d2h_bytes_per_s, bw.h2d_bytes_per_s
+
+    def _block_mode(self, b: int) -> str:
+        return self._policy.block_mode(b, self._runner.input_bytes)
 
     def _make_runner(self, model, blocks):
         """The recompute runner over the model's blocks (the default policy only; the others
@@ -320,7 +320,7 @@ class Chameleon:
                 failed, oom = True, isinstance(e, _OOM)
                 raise
             finally:
-                self._finish_step(t0, budget, failed, oom)
+                finish_step(self, t0, budget, failed, oom)
             self._raise_swallowed_interrupt()
         finally:
             if mine is not None and self._owner.get("step") is mine:
@@ -383,213 +383,10 @@ class Chameleon:
             torch.cuda.reset_peak_memory_stats(self.device)
         return budget
 
-    def _end_memory_step(self, counters, failed: bool, oom: bool) -> dict:
-        """The device's side of the step for the budget derivation, as StepStats fields."""
-        stats = torch.cuda.memory_stats(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        r = self._memory.end_step(
-            saved_bytes=counters.saved_bytes, peak_allocated=peak,
-            allocated_at_start=self._allocated_at_start,
-            peak_resident=counters.peak_resident_bytes,
-            # Free bytes inside segments that also hold live blocks: unlike whole free segments,
-            # the allocator cannot give them back when it runs short.
-            fragmentation_bytes=stats.get("inactive_split_bytes.all.peak", 0),
-            failed=failed, out_of_memory=oom)
-        return dict(peak_device_bytes=peak, min_budget_bytes=r.min_budget_bytes,
-                    predicted_transient_bytes=r.predicted_transient_bytes,
-                    transient_bytes=r.transient_bytes, memory_tightened=r.tightened)
-
-    def _finish_step(self, t0: float, budget: Optional[int], failed: bool,
-                     oom: bool = False) -> None:
-        # Interrupted anywhere in here, the next step's start (or close) finishes the job.
-        try:
-            counters = self._ex.end_step(failed)
-            self._pool.end_step()
-            memory = {}
-            if self._end_needs_sync(budget):
-                self._sync_device()
-            if self.device.type == "cuda" and self._memory is not None:
-                memory = self._end_memory_step(counters, failed, oom)
-            calls = self._runner.end_step(failed) if self._runner is not None else []
-            step_seconds = time.perf_counter() - t0
-            profile = self._profiler.finish(step_seconds)
-            profile.blocks = calls
-            changed = False
-            if profile.ids:        # a step that saved nothing (eval under no_grad) changes nothing
-                # The same sequence again (the common case) needs no histogram comparison.
-                if self._prev_ids is not None and self._prev_ids != profile.ids:
-                    changed = similarity(self._prev_ids, profile.ids).changed(
-                        self.config.length_tolerance, self.config.min_similarity)
-                self._prev_ids = profile.ids
-            self._policy.end_step(None if failed else profile)
-            report = self._policy.report()
-            stats = StepStats(
-                step=self.totals.steps, budget_bytes=budget,
-                peak_resident_bytes=counters.peak_resident_bytes, saved_bytes=counters.saved_bytes,
-                offloaded_bytes=counters.offloaded_bytes,
-                offloaded_tensors=counters.offloaded_tensors,
-                prefetched_bytes=counters.prefetched_bytes, fetched_bytes=counters.fetched_bytes,
-                sync_fetches=counters.sync_fetches, late_prefetches=counters.late_prefetches,
-                budget_waits=counters.budget_waits, stall_seconds=self._copy.take_stall_seconds(),
-                step_seconds=step_seconds, host_peak_bytes=self._pool.peak_in_use_bytes,
-                skipped_bytes=counters.skipped_bytes, failed=failed, **memory,
-                sequence_changed=changed, plan_source=report["plan_source"],
-                predicted_stall_seconds=report["predicted_stall_seconds"],
-                profiler_seconds=profile.profiler_seconds,
-                profile_mode="detailed" if profile.detailed else "lightweight",
-                signature=profile.signature, plan_overrides=report["plan_overrides"],
-                forced_offloads=counters.forced_offloads, kept_bytes=counters.kept_bytes,
-                host_allocated_bytes=self._pool.allocated_bytes - self._host_allocated_at_start,
-                **block_stats(calls, self._runner is not None))
-            self.history.append(stats)
-            self.totals.add(stats)
-            log.info("%s", stats)
-            if self._trace_dir is not None and not failed:
-                self._write_trace(profile, stats)
-            if counters.saved_bytes == 0 and counters.foreign_bytes > 0 and not self._warned_foreign:
-                self._warned_foreign = True
-                warnings.warn(f"chameleon-swap: this step saved {format_bytes(counters.foreign_bytes)} "
-                              f"of activations on other devices than the engine's ({self.device}); "
-                              "pass device= to manage them", RuntimeWarning, stacklevel=4)
-        finally:
-            self._in_step = False
-
-
-    def _end_needs_sync(self, budget: Optional[int]) -> bool:
-        """Whether the step's end must wait for the device. Its event timings (a detailed
-        profile, a trace) and the device-inclusive step time the planner scales its estimates by
-        are needed at once; with no budget nothing plans, nothing moved and nothing was timed, so
-        the host goes on while the device finishes the step."""
-        return budget is not None or self._profiler.detailed
-
-    def _sync_device(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-
-    def _write_trace(self, profile, stats: StepStats) -> None:
-        from .sim.trace import write_step
-        measured = {k: getattr(stats, k) for k in (
-            "step_seconds", "peak_resident_bytes", "budget_bytes", "stall_seconds",
-            "offloaded_bytes", "sync_fetches", "forced_offloads", "plan_source")}
-        # On CUDA the model state is what was allocated when the step began (weights, gradients,
-        # optimizer states); on the CPU the engine cannot tell it from other memory: 0.
-        write_step(self._trace_dir, stats.step, profile, measured=measured,
-                   meta={"device": str(self.device), "torch": torch.__version__,
-                         "policy": self.policy, "min_tensor_bytes": self.config.min_tensor_bytes},
-                   link=self._bandwidth(), model_state_bytes=self._state_bytes)
-
-    # ------------------------------------------------------------------ module hooks
-    def _register_module_hooks(self) -> list:
-        """Global module hooks, registered once for the engine's life and idle outside a step:
-        re-registering them every step would change the hook ids torch.compile guards on and
-        recompile every compiled module every step. They hold the engine weakly, so an engine
-        never closed can still be collected.
-
-        Any global module hook sends every module call in the process through torch's slow call
-        path (about 1 us per call before the hook runs). An engine that never moves needs none
-        of what they serve (module events for keys and signatures, backward triggers for copies
-        back, the memory limit's progress) but the buffer check: buffers are neither parameters
-        nor leaves that require grad, and only the module that holds them knows them. It gets
-        that one hook, registered at creation as the others are (so compile guards never see
-        the hooks change); its profiles then know saves by order alone."""
-        if self._resident_only:
-            return [torch.nn.modules.module.register_module_forward_pre_hook(
-                _weak_hook(self._module_buffers))]
-        return [torch.nn.modules.module.register_module_forward_pre_hook(
-                    _weak_hook(self._module_pre)),
-                torch.nn.modules.module.register_module_forward_hook(
-                    _weak_hook(self._module_post))]
-
-    def _module_buffers(self, module: torch.nn.Module, args) -> None:
-        if self._in_step and module._buffers and not _is_compiling():
-            self._ex.protect_buffers(module)
-
-    def _block_mode(self, b: int) -> str:
-        return self._policy.block_mode(b, self._runner.input_bytes)
-
-    def _recomputing(self) -> bool:
-        return self._runner is not None and self._runner.recomputing
-
-    def _module_pre(self, module: torch.nn.Module, args) -> None:
-        if not self._in_step or _is_compiling() or self._recomputing():
-            return
-        self._ex.protect_buffers(module)
-        self._module_starts.append(self._ex.next_index)
-        if self._memory is not None:
-            lowered = self._memory.on_progress(self._ex.stats.saved_bytes)
-            if lowered is not None:
-                self._ex.budget = lowered     # the step is larger than assumed: hold more off
-        self._profiler.module_enter(module)
-
-    def _module_post(self, module: torch.nn.Module, args, output) -> None:
-        if not self._in_step or _is_compiling() or self._recomputing():
-            return
-        self._profiler.module_exit(module)
-        start = self._module_starts.pop() if self._module_starts else 0
-        # With no budget nothing comes back in backward, so no trigger is needed: a tensor hook
-        # costs about as much as a pack, registered here and called again in backward.
-        if self._ex.budget is None or self._ex.next_index == start or not torch.is_grad_enabled():
-            return
-        t = _first_grad_output(output)
-        if t is not None:
-            # Fires when the gradient of this module's output is ready: just before backward
-            # reaches the tensors this module saved.
-            t.register_hook(self._ex.backward_trigger)
-
 
 def _keep(b: int) -> str:
     return "keep"
 
 
-def _trace_dir(value) -> Optional[Path]:
-    if value is None:
-        return None
-    if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"trace_dir must be a directory path (str or os.PathLike) or None; "
-                        f"got {type(value).__name__} {value!r}")
-    path = Path(value)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"trace_dir must be a directory; {str(path)!r} is a file")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"trace_dir={str(path)!r} could not be created ({e.strerror or e}); pass "
-                         f"a directory that exists or can be created, or None") from e
-    return path
-
-
-def _weak_hook(method):
-    # A weak reference to the object and the plain function: cheaper per call than a
-    # WeakMethod, which builds a new bound method every time (these run on every module call).
-    ref, fn = weakref.ref(method.__self__), method.__func__
-
-    def hook(*args):
-        obj = ref()
-        if obj is not None:
-            return fn(obj, *args)
-    return eager(hook)
-
-
-def _remove_hooks(hooks) -> None:
-    for h in hooks:
-        h.remove()
-
-
-# Inside torch.compile's tracing the module hooks step aside (no graph breaks): the compiled
-# region's saved tensors still go through the pack/unpack hooks, which run eagerly.
-_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
 _OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
 _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-
-
-def _first_grad_output(output) -> Optional[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return output if output.grad_fn is not None else None
-    if isinstance(output, dict):
-        output = list(output.values())
-    if isinstance(output, (list, tuple)):
-        for o in output:
-            t = _first_grad_output(o)
-            if t is not None:
-                return t
-    return None

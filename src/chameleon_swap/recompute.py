@@ -41,6 +41,7 @@ from torch.utils.checkpoint import checkpoint
 from . import selective
 from .blocks import find_blocks
 from .profiler import _CpuClock
+from ._eager import is_compiling as _is_compiling
 
 MODES = ("keep", "selective", "full")
 __all__ = ["MODES", "BlockCall", "BlockRunner", "find_blocks"]
@@ -50,7 +51,6 @@ __all__ = ["MODES", "BlockCall", "BlockRunner", "find_blocks"]
 _CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
 
 _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
 
 
 # --------------------------------------------------------------------------- what ran

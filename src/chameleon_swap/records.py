@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from .copy.host_pool import HostBuffer
+from ._eager import is_compiling as _is_compiling
 
 if TYPE_CHECKING:
     from .executor import Executor
@@ -156,7 +157,6 @@ class StepCounters:
             setattr(self, name, 0)
 
 
-_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
 
 
 def _set_version(t: torch.Tensor, v: int) -> None:

@@ -1,0 +1,109 @@
+"""The engine's global module hooks: what it learns from module calls during a step.
+
+Before a module runs: its buffers are protected (buffers are neither parameters nor leaves that
+require grad, and only the module that holds them knows them), the profiler sees a module event,
+and a ``device_memory_limit`` learns how far the forward has come (and may lower the budget).
+After it runs: the profiler's module event ends and, when a budget can move things, a hook on the
+gradient of the module's output tells the executor that backward is about to reach the tensors
+this module saved (the moment to start copying them back).
+
+The hooks are registered once for the engine's life and idle outside a step: re-registering them
+every step would change the hook ids torch.compile guards on and recompile every compiled module
+every step. They hold the engine weakly, so an engine never closed can still be collected.
+
+Any global module hook sends every module call in the process through torch's slow call path
+(about 1 us per call before the hook runs). An engine that never moves needs none of the above but
+the buffer check, so it gets that one hook, registered at creation as the others are (compile
+guards never see the hooks change); its profiles then know saves by order alone.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+
+from ._eager import eager, is_compiling
+
+if TYPE_CHECKING:
+    from .engine import Chameleon
+
+
+def register(eng: "Chameleon", resident_only: bool) -> list:
+    """Register the engine's global module hooks; returns their handles."""
+    mod = torch.nn.modules.module
+    if resident_only:
+        return [mod.register_module_forward_pre_hook(_weak_hook(eng, _buffers))]
+    return [mod.register_module_forward_pre_hook(_weak_hook(eng, _pre)),
+            mod.register_module_forward_hook(_weak_hook(eng, _post))]
+
+
+def remove(hooks) -> None:
+    for h in hooks:
+        h.remove()
+
+
+def _weak_hook(eng: "Chameleon", fn: Callable):
+    # A weak reference to the engine and a plain function: cheaper per call than a WeakMethod,
+    # which builds a new bound method every time (these run on every module call).
+    ref = weakref.ref(eng)
+
+    def hook(*args):
+        obj = ref()
+        if obj is not None:
+            return fn(obj, *args)
+    return eager(hook)
+
+
+def _buffers(eng: "Chameleon", module: torch.nn.Module, args) -> None:
+    if eng._in_step and module._buffers and not is_compiling():
+        eng._ex.protect_buffers(module)
+
+
+def _recomputing(eng: "Chameleon") -> bool:
+    # A block's forward run again in backward is not a new module call of the step.
+    return eng._runner is not None and eng._runner.recomputing
+
+
+def _pre(eng: "Chameleon", module: torch.nn.Module, args) -> None:
+    if not eng._in_step or is_compiling() or _recomputing(eng):
+        return
+    ex = eng._ex
+    ex.protect_buffers(module)
+    eng._module_starts.append(ex.next_index)
+    if eng._memory is not None:
+        lowered = eng._memory.on_progress(ex.stats.saved_bytes)
+        if lowered is not None:
+            ex.budget = lowered       # the step is larger than assumed: hold more off the device
+    eng._profiler.module_enter(module)
+
+
+def _post(eng: "Chameleon", module: torch.nn.Module, args, output) -> None:
+    if not eng._in_step or is_compiling() or _recomputing(eng):
+        return
+    eng._profiler.module_exit(module)
+    ex = eng._ex
+    start = eng._module_starts.pop() if eng._module_starts else 0
+    # With no budget nothing comes back in backward, so no trigger is needed: a tensor hook
+    # costs about as much as a pack, registered here and called again in backward.
+    if ex.budget is None or ex.next_index == start or not torch.is_grad_enabled():
+        return
+    t = first_grad_output(output)
+    if t is not None:
+        # Fires when the gradient of this module's output is ready: just before backward
+        # reaches the tensors this module saved.
+        t.register_hook(ex.backward_trigger)
+
+
+def first_grad_output(output) -> Optional[torch.Tensor]:
+    """The first tensor with a ``grad_fn`` in a module's output (tensors, lists, tuples, dicts)."""
+    if isinstance(output, torch.Tensor):
+        return output if output.grad_fn is not None else None
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        for o in output:
+            t = first_grad_output(o)
+            if t is not None:
+                return t
+    return None
