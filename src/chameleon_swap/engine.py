@@ -17,7 +17,7 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-from . import module_hooks
+from . import interrupts, module_hooks
 from .config import (DEFAULT_HISTORY_SIZE, DEFAULT_MIN_TENSOR_BYTES, EngineConfig, SizeLike,
                      format_bytes, trace_dir_path)
 from .copy import make_copy_engine
@@ -341,9 +341,10 @@ class Chameleon:
 
     def _raise_swallowed_interrupt(self) -> None:
         """A Ctrl-C that landed in a saved tensor's release (inside ``__del__``, where Python
-        would swallow it) is raised here, once the step is whole again."""
-        if self._ex.interrupted:
-            self._ex.interrupted = False
+        would swallow it: caught there, or escaped to ``interrupts``' hook) is raised here, once
+        the step is whole again."""
+        caught, self._ex.interrupted = self._ex.interrupted, False
+        if interrupts.take_pending() or caught:
             raise KeyboardInterrupt("interrupted while chameleon-swap released a saved tensor")
 
     def _refuse_step(self, owner) -> None:

@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from . import interrupts
 from .copy import CopyEngine
 from .copy.host_pool import HostPool
 # The books (records, handles, counters); the states and Record are imported from here too.
@@ -60,6 +61,9 @@ class Executor:
         self._earlier: set = set()               # records alive when this step began
         self._settled_moves = 0                  # self.moves at the last settle()
         self.interrupted = False                 # a Ctrl-C was swallowed by a Handle.__del__
+        self.recount = False                     # one escaped a release: recount at settle()
+        self.recount_lean = None                 # resident.py's recount of its handle-less records
+        interrupts.watch(self)
 
     # ------------------------------------------------------------------ step boundaries
     def begin_step(self, budget: Optional[int]) -> None:
@@ -110,6 +114,10 @@ class Executor:
         with self.lock:
             if self.in_step:
                 self.end_step(True)          # its end never ran: release what it saved
+            if self.recount:
+                self.recount = False
+                if self.recount_lean is not None:
+                    self.recount_lean(self)
             for rec in list(self.live):
                 # Records of the resident-only hooks (resident.py) have no Handles: their
                 # saved tuples keep ``live`` themselves.

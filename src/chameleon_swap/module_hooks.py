@@ -19,17 +19,14 @@ guards never see the hooks change); its profiles then know saves by order alone.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
 from ._eager import eager, is_compiling
 
-if TYPE_CHECKING:
-    from .engine import Chameleon
 
-
-def register(eng: "Chameleon", resident_only: bool) -> list:
+def register(eng, resident_only: bool) -> list:
     """Register the engine's global module hooks; returns their handles."""
     mod = torch.nn.modules.module
     if resident_only:
@@ -43,7 +40,7 @@ def remove(hooks) -> None:
         h.remove()
 
 
-def _weak_hook(eng: "Chameleon", fn: Callable):
+def _weak_hook(eng, fn: Callable):
     # A weak reference to the engine and a plain function: cheaper per call than a WeakMethod,
     # which builds a new bound method every time (these run on every module call).
     ref = weakref.ref(eng)
@@ -55,17 +52,17 @@ def _weak_hook(eng: "Chameleon", fn: Callable):
     return eager(hook)
 
 
-def _buffers(eng: "Chameleon", module: torch.nn.Module, args) -> None:
+def _buffers(eng, module: torch.nn.Module, args) -> None:
     if eng._in_step and module._buffers and not is_compiling():
         eng._ex.protect_buffers(module)
 
 
-def _recomputing(eng: "Chameleon") -> bool:
+def _recomputing(eng) -> bool:
     # A block's forward run again in backward is not a new module call of the step.
     return eng._runner is not None and eng._runner.recomputing
 
 
-def _pre(eng: "Chameleon", module: torch.nn.Module, args) -> None:
+def _pre(eng, module: torch.nn.Module, args) -> None:
     if not eng._in_step or is_compiling() or _recomputing(eng):
         return
     ex = eng._ex
@@ -78,7 +75,7 @@ def _pre(eng: "Chameleon", module: torch.nn.Module, args) -> None:
     eng._profiler.module_enter(module)
 
 
-def _post(eng: "Chameleon", module: torch.nn.Module, args, output) -> None:
+def _post(eng, module: torch.nn.Module, args, output) -> None:
     if not eng._in_step or is_compiling() or _recomputing(eng):
         return
     eng._profiler.module_exit(module)

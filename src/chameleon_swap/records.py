@@ -10,15 +10,14 @@ tensor (data and the checks on it; ``executor.py`` holds the hooks and the moves
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
 from .copy.host_pool import HostBuffer
 from ._eager import is_compiling as _is_compiling
+from .interrupts import finalizer
 
-if TYPE_CHECKING:
-    from .executor import Executor
 
 # Record states.
 RESIDENT = "resident"      # on device only
@@ -67,7 +66,7 @@ class Handle:
     __slots__ = ("ex", "rec", "tensor", "tref", "bref", "witness", "size", "stride", "offset", "dtype", "version",
                  "conj", "neg", "dirty", "__weakref__")
 
-    def __init__(self, ex: "Executor", rec: Optional[Record], t: torch.Tensor) -> None:
+    def __init__(self, ex, rec: Optional[Record], t: torch.Tensor) -> None:
         self.ex = ex
         self.rec = rec
         # A detached alias of the original while it is on the device: same storage, same version
@@ -122,6 +121,7 @@ class Handle:
                 return t._version
         return None
 
+    @finalizer
     def __del__(self) -> None:
         rec = self.rec
         if rec is not None:
@@ -132,7 +132,8 @@ class Handle:
                 # landing here would be lost and the release left half done. The release is
                 # finished by Executor.settle() at the next step boundary (or the next read of
                 # the engine's counters), and the engine raises the interrupt again at the end
-                # of the step (or the start of the next), outside any __del__.
+                # of the step (or the start of the next), outside any __del__. One landing
+                # before this try is caught by interrupts.py's unraisable hook instead.
                 self.ex.interrupted = True
             except Exception:  # interpreter shutdown: nothing left to account for
                 pass

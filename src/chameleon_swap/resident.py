@@ -27,6 +27,7 @@ import torch
 
 from ._eager import frame_callback, mark_eager
 from .executor import Executor
+from .interrupts import finalizer
 from .records import RELEASED, UNMARKED, Record, version_error
 
 
@@ -37,11 +38,28 @@ class _Saved(tuple):
 
     __slots__ = ()
 
+    @finalizer
     def __del__(self) -> None:
+        # A Ctrl-C escaping from here is caught by interrupts.py's unraisable hook: raised again
+        # at the step boundary, and the executor recounts ``live`` (recount_saved) at settle().
         try:
             self[3](self[2])
         except Exception:  # interpreter shutdown: nothing left to account for
             pass
+
+
+def recount_saved(ex: Executor) -> None:
+    """Set every handle-less record's ``live`` to the number of ``_Saved`` tuples that hold it:
+    after an interrupt escaped a ``_Saved.__del__`` its count can be one too high, and the record
+    would never be released. One scan of the garbage collector's objects: rare, not cheap."""
+    import gc
+    counts: dict = {}
+    for o in gc.get_objects():
+        if type(o) is _Saved:
+            counts[id(o[2])] = counts.get(id(o[2]), 0) + 1
+    for rec in ex.live:
+        if not rec.handles:
+            rec.live = counts.get(id(rec), 0)
 
 
 def resident_hooks(ex: Executor):
@@ -134,6 +152,7 @@ def resident_hooks(ex: Executor):
             return t
         return full_unpack(h)
 
+    ex.recount_lean = recount_saved
     pack, disabled_pack = mark_eager(pack)
     unpack, disabled_unpack = mark_eager(unpack)
     return pack, unpack

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
@@ -17,13 +17,10 @@ from .config import format_bytes
 from .history import StepStats, block_stats
 from .sequence import similarity
 
-if TYPE_CHECKING:
-    from .engine import Chameleon
-
 log = logging.getLogger("chameleon_swap")
 
 
-def finish_step(eng: "Chameleon", t0: float, budget: Optional[int], failed: bool,
+def finish_step(eng, t0: float, budget: Optional[int], failed: bool,
                 oom: bool = False) -> None:
     try:
         counters = eng._ex.end_step(failed)
@@ -68,7 +65,7 @@ def finish_step(eng: "Chameleon", t0: float, budget: Optional[int], failed: bool
         eng._in_step = False
 
 
-def _sequence_changed(eng: "Chameleon", ids: list) -> bool:
+def _sequence_changed(eng, ids: list) -> bool:
     """Whether this step's operator sequence differs from the last one's beyond the tolerance;
     a step that saved nothing (eval under no_grad) changes nothing."""
     if not ids:
@@ -82,7 +79,7 @@ def _sequence_changed(eng: "Chameleon", ids: list) -> bool:
     return changed
 
 
-def needs_sync(eng: "Chameleon", budget: Optional[int]) -> bool:
+def needs_sync(eng, budget: Optional[int]) -> bool:
     """Whether the step's end must wait for the device. Its event timings (a detailed profile, a
     trace) and the device-inclusive step time the planner scales its estimates by are needed at
     once; with no budget nothing plans, nothing moved and nothing was timed, so the host goes on
@@ -95,7 +92,7 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def _end_memory_step(eng: "Chameleon", counters, failed: bool, oom: bool) -> dict:
+def _end_memory_step(eng, counters, failed: bool, oom: bool) -> dict:
     """The device's side of the step for the budget derivation, as StepStats fields."""
     stats = torch.cuda.memory_stats(eng.device)
     peak = torch.cuda.max_memory_allocated(eng.device)
@@ -112,7 +109,7 @@ def _end_memory_step(eng: "Chameleon", counters, failed: bool, oom: bool) -> dic
                 transient_bytes=r.transient_bytes, memory_tightened=r.tightened)
 
 
-def _write_trace(eng: "Chameleon", profile, stats: StepStats) -> None:
+def _write_trace(eng, profile, stats: StepStats) -> None:
     from .sim.trace import write_step
     measured = {k: getattr(stats, k) for k in (
         "step_seconds", "peak_resident_bytes", "budget_bytes", "stall_seconds",
@@ -125,7 +122,7 @@ def _write_trace(eng: "Chameleon", profile, stats: StepStats) -> None:
                link=eng._bandwidth(), model_state_bytes=eng._state_bytes)
 
 
-def _warn_foreign(eng: "Chameleon", counters) -> None:
+def _warn_foreign(eng, counters) -> None:
     if counters.saved_bytes == 0 and counters.foreign_bytes > 0 and not eng._warned_foreign:
         eng._warned_foreign = True
         warnings.warn(f"chameleon-swap: this step saved {format_bytes(counters.foreign_bytes)} "
