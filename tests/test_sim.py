@@ -12,7 +12,7 @@ import pytest
 from chameleon_swap import sim
 from chameleon_swap.sim import analytic, hardware, policies, sweeps
 from chameleon_swap.sim.models import ModelConfig, family, preset
-from chameleon_swap.sim.trace import Step, Tensor, Trace, dumps, load, loads, save
+from chameleon_swap.trace import Step, Tensor, Trace, dumps, load, loads, save
 
 H100 = hardware.load("h100-sxm")
 

@@ -16,6 +16,7 @@ import torch
 from .config import format_bytes
 from .history import StepStats, block_stats
 from .sequence import similarity
+from .trace import write_step
 
 log = logging.getLogger("chameleon_swap")
 
@@ -110,7 +111,6 @@ def _end_memory_step(eng, counters, failed: bool, oom: bool) -> dict:
 
 
 def _write_trace(eng, profile, stats: StepStats) -> None:
-    from .sim.trace import write_step
     measured = {k: getattr(stats, k) for k in (
         "step_seconds", "peak_resident_bytes", "budget_bytes", "stall_seconds",
         "offloaded_bytes", "sync_fetches", "forced_offloads", "plan_source")}

@@ -18,7 +18,7 @@ from .hardware import Hardware, builtin_names
 from .hardware import load as load_hardware
 from .models import PRESETS, ModelConfig, preset
 from .policies import POLICIES, Result, run
-from .trace import FORMAT, VERSION, Step, Tensor, Trace, load, save
+from ..trace import FORMAT, VERSION, Step, Tensor, Trace, load, save
 
 __all__ = ["generate", "Hardware", "builtin_names", "load_hardware", "PRESETS", "ModelConfig",
            "preset", "POLICIES", "Result", "run", "FORMAT", "VERSION", "Step", "Tensor", "Trace",

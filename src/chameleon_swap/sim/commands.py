@@ -17,8 +17,8 @@ from .hardware import load as load_hardware
 from .hf_commands import traced_model
 from .models import PRESETS, ModelConfig, family, preset, resolve
 from .policies import POLICIES, TP_RE, check_policy, lower_bound, run
-from .trace import load as load_trace
-from .trace import save as save_trace
+from ..trace import load as load_trace
+from ..trace import save as save_trace
 
 DEFAULT_POLICIES = (*POLICIES, "tp2")
 DEFAULT_MODEL = "llama-7b"

@@ -48,7 +48,7 @@ from typing import Optional
 from ..hybrid import Block, plan_hybrid
 from ..planner import fetch_schedule, plan as make_plan
 from ..timeline import Plan, Prediction, simulate
-from .trace import Step, Trace
+from ..trace import Step, Trace
 
 SWAP = ("none", "sync-swap", "async-swap", "guard", "static", "chameleon")
 RECOMPUTE = ("full-recompute", "selective-recompute")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
-from ..timeline import Profile, Span
+from .timeline import Profile, Span
 
 FORMAT = "chameleon-swap-trace"
 VERSION = 1
