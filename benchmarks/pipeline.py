@@ -17,9 +17,11 @@ one extra untimed step with an unbudgeted engine counts them); each repetition c
 mode computed the same losses bit for bit. On a CPU "device" and "host" are the same RAM: times
 are the cost of the hooks and the copies, not a GPU forecast.
 
-Simulated at scale: the same four methods on a 70B-shaped model, TP8 x PP8, 32 micro-batches of
-4096 tokens, on h100-sxm (``chameleon_swap.sim.pipeline``), the engine's budget what memory leaves
-after model states, and, for comparison, a budget half the 1F1B first rank's activation peak.
+Simulated at scale: the same four methods and the hybrid mode (the engine with recomputation
+where the link cannot hide the copies), under 1F1B and Chronos, on a 70B-shaped model, TP8 x PP8,
+32 micro-batches of 4096 tokens, on h100-sxm (``chameleon_swap.sim.pipeline``), the budget what
+memory leaves after model states, and, for comparison, a budget half the 1F1B first rank's
+activation peak.
 
 Writes ``benchmarks/results/pipeline-<device>.json``, a markdown table next to it and, with
 matplotlib, ``pipeline-<device>.png``: per-rank resident activations over one step, per mode.
@@ -200,8 +202,11 @@ def simulated() -> dict:
     half = base.ranks[0].activation_peak_bytes // 2
     runs = {"1f1b": ("1f1b", "none", None), "1f1b+recompute": ("1f1b", "recompute", None),
             "1f1b+engine": ("1f1b", "engine", None), "chronos+engine": ("chronos", "engine", None),
+            "1f1b+hybrid": ("1f1b", "hybrid", None), "chronos+hybrid": ("chronos", "hybrid", None),
             "1f1b+engine@half": ("1f1b", "engine", half),
-            "chronos+engine@half": ("chronos", "engine", half)}
+            "chronos+engine@half": ("chronos", "engine", half),
+            "1f1b+hybrid@half": ("1f1b", "hybrid", half),
+            "chronos+hybrid@half": ("chronos", "hybrid", half)}
     out = {"settings": "llama-70b shape, 80 layers, TP8 x PP8, 32 micro-batches of 1 x 4096, "
                        "bf16, h100-sxm; @half: budget half the 1F1B first rank's activation peak"}
     for name, (sched, mode, budget) in runs.items():
@@ -210,7 +215,8 @@ def simulated() -> dict:
                      "activation_peak_bytes": [x.activation_peak_bytes for x in r.ranks],
                      "total_bytes": [x.total_bytes for x in r.ranks],
                      "offloaded_bytes": [x.offloaded_bytes for x in r.ranks],
-                     "stall_seconds": [x.stall_seconds for x in r.ranks]}
+                     "stall_seconds": [x.stall_seconds for x in r.ranks],
+                     "recomputed_fraction": [x.recomputed_fraction for x in r.ranks]}
     return out
 
 
@@ -249,10 +255,11 @@ def markdown(a, ranks: list, sim: dict) -> str:
     text += f"\n## Simulated at scale\n\n{sim['settings']}\n\n"
     srows = [[k, v["step_seconds"], f"{v['bubble']:.1%}",
               " / ".join(f"{b / 2**30:.1f}" for b in v["activation_peak_bytes"]),
-              max(v["offloaded_bytes"]) / 2**30, max(v["stall_seconds"])]
+              max(v["offloaded_bytes"]) / 2**30, f"{max(v['recomputed_fraction']):.0%}",
+              max(v["stall_seconds"])]
              for k, v in sim.items() if k != "settings"]
     text += C.markdown_table(["method", "step s", "bubble", "activation peak per rank (GiB)",
-                              "most moved out (GiB)", "most stall s"], srows)
+                              "most moved out (GiB)", "most recomputed", "most stall s"], srows)
     return text
 
 

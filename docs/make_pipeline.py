@@ -27,8 +27,10 @@ MODEL, TP, PP, MICRO, SEQ = "llama-70b", 8, 8, 32, 4096
 LAYER_STEP, MAX_LAYERS = 16, 960        # 16: every schedule's stage count divides it
 COMPARABLE = 0.95                       # "comparable throughput": >= 95% of 1F1B's efficiency
 CLAIM_SIZE, CLAIM_SPEED = 2.4, 1.5
-METHODS = (("1f1b", "none"), ("1f1b", "recompute"), ("1f1b", "engine"),
-           ("interleaved", "engine"), ("chronos", "none"), ("chronos", "engine"))
+METHODS = (("1f1b", "none"), ("1f1b", "recompute"), ("1f1b", "engine"), ("1f1b", "hybrid"),
+           ("interleaved", "engine"), ("interleaved", "hybrid"), ("chronos", "none"),
+           ("chronos", "engine"), ("chronos", "hybrid"))
+LINK_SHARES = (1.0, 0.25, 0.1, 0.05)    # the host link each GPU gets, as a share of the profile's
 
 
 def _cfg(layers: int = 80):
@@ -36,21 +38,24 @@ def _cfg(layers: int = 80):
 
 
 def _name(schedule: str, mode: str) -> str:
-    return schedule + {"none": "", "recompute": " + full recompute", "engine": " + engine"}[mode]
+    return schedule + {"none": "", "recompute": " + full recompute", "engine": " + engine",
+                       "hybrid": " + hybrid"}[mode]
+
+
+def sweep_one(hw, sched: str, mode: str) -> dict:
+    """Per layer count that fits: the result (tokens/s, per-rank figures)."""
+    rows = {}
+    for layers in range(LAYER_STEP, MAX_LAYERS + 1, LAYER_STEP):
+        res = simulate_pipeline(_cfg(layers), hw, PP, MICRO, sched, mode)
+        if not res.fits:
+            break
+        rows[layers] = res
+    return rows
 
 
 def sweep(hw) -> dict:
-    """Per method, per layer count that fits: the result (tokens/s, per-rank figures)."""
-    out = {}
-    for sched, mode in METHODS:
-        rows = {}
-        for layers in range(LAYER_STEP, MAX_LAYERS + 1, LAYER_STEP):
-            res = simulate_pipeline(_cfg(layers), hw, PP, MICRO, sched, mode)
-            if not res.fits:
-                break
-            rows[layers] = res
-        out[sched, mode] = rows
-    return out
+    """Per method, per layer count that fits: the result."""
+    return {(sched, mode): sweep_one(hw, sched, mode) for sched, mode in METHODS}
 
 
 def efficiency(res, layers: int) -> float:
@@ -87,12 +92,13 @@ def reading(hw, eng_layers: int) -> str:
     nxt = simulate_pipeline(_cfg(eng_layers + LAYER_STEP), hw, PP, MICRO, "chronos", "engine")
     states = max(r.state_bytes for r in nxt.ranks)
     if states <= hw.usable_bytes:
-        return (f"On {hw.name} the engine's largest model is bounded by its activation budget: "
+        return (f"On {hw.name} the largest model of the engine (and of hybrid) is bounded by "
+                f"its activation budget: "
                 f"at {eng_layers + LAYER_STEP} layers the model states take "
                 f"{format_bytes(states)} of {format_bytes(hw.usable_bytes)} and what is left does "
                 f"not hold one block's activations.")
-    return (f"On {hw.name} the engine's largest model is bounded by model states, not by "
-            f"activations: at {eng_layers + LAYER_STEP} layers a rank's weights, gradients and "
+    return (f"On {hw.name} the largest model of the engine (and of hybrid) is bounded by "
+            f"model states, not by activations: at {eng_layers + LAYER_STEP} layers a rank's weights, gradients and "
             f"optimizer states alone take {format_bytes(states)} of "
             f"{format_bytes(hw.usable_bytes)} usable. Once activations can go to the host they "
             f"no longer bound the size; going further needs the model states off the device too "
@@ -108,9 +114,39 @@ def per_rank(hw) -> str:
         rows.append([_name(sched, mode), f"{res.step_seconds:.3f}", f"{res.bubble_fraction:.1%}",
                      format_bytes(max(peaks)), format_bytes(min(peaks)),
                      format_bytes(res.max_total_bytes),
-                     format_bytes(max(r.offloaded_bytes for r in res.ranks))])
+                     format_bytes(max(r.offloaded_bytes for r in res.ranks)),
+                     f"{max(r.recomputed_fraction for r in res.ranks):.0%}"])
     return table(["method", "step s", "bubble", "act peak (max rank)", "act peak (min rank)",
-                  "most memory on a rank", "most moved out by a rank"], rows, markdown=True)
+                  "most memory on a rank", "most moved out by a rank",
+                  "most recomputed by a rank"], rows, markdown=True)
+
+
+def slow_links(hw) -> str:
+    """Engine, hybrid and 1F1B + full recompute at the deepest model recompute fits, with the
+    host link each GPU gets cut (eight GPUs sharing a host's memory and PCIe switches)."""
+    import dataclasses
+    layers = max(sweep_one(hw, "1f1b", "recompute"))
+    rec = simulate_pipeline(_cfg(layers), hw, PP, MICRO, "1f1b", "recompute")
+    rows = []
+    for share in LINK_SHARES:
+        link = dataclasses.replace(hw, h2d_bytes_per_s=hw.h2d * share,
+                                   d2h_bytes_per_s=hw.d2h * share,
+                                   measured_h2d_bytes_per_s=None, measured_d2h_bytes_per_s=None)
+        for sched in ("1f1b", "interleaved", "chronos"):
+            eng, hyb = (simulate_pipeline(_cfg(layers), link, PP, MICRO, sched, m)
+                        for m in ("engine", "hybrid"))
+            rows.append([f"{link.h2d / 1e9:.1f}" if sched == "1f1b" else "", sched,
+                         f"{eng.step_seconds:.2f}", f"{hyb.step_seconds:.2f}",
+                         f"{eng.step_seconds / hyb.step_seconds:.2f}x",
+                         f"{rec.step_seconds / hyb.step_seconds:.2f}x",
+                         f"{max(r.recomputed_fraction for r in hyb.ranks):.0%}",
+                         format_bytes(max(r.offloaded_bytes for r in hyb.ranks))])
+    head = (f"{layers} layers (the deepest 1F1B + full recompute fits on {hw.name}; "
+            f"{rec.step_seconds:.2f} s a step there), each rank's budget what memory leaves.\n\n")
+    return head + table(["host link GB/s", "schedule", "engine step s", "hybrid step s",
+                         "hybrid vs engine", "hybrid vs 1F1B + recompute",
+                         "most recomputed by a rank", "most moved out by a rank"], rows,
+                        markdown=True)
 
 
 def figure(hw, path: Path) -> None:
@@ -146,6 +182,10 @@ mechanisms: PyTorch's 1F1B, full recomputation, our V-shaped Chronos order (`chr
 stages per rank, `r` and `2P-1-r`, full backwards; see `chameleon_swap/pipeline_schedule.py`),
 and the schedule-aware engine on every rank (`PipelineChameleon`: offloads the activations whose
 backward is farthest away in the rank's schedule, copies back in the order the backwards need).
+"hybrid" is the engine with recomputation per stage: under the same budget, each rank recomputes
+the blocks of the micro-batches whose copies its host link could not hide in its busy time and
+swaps the rest (`chameleon_swap/sim/pipeline_plan.py`; the simulator only, not yet a runtime
+policy).
 
 **Settings.** {model}-shaped layers (hidden 8192, 64 heads, 8 kv heads, ffn 28672, vocab 32000),
 bf16, FlashAttention, sequence {seq}, micro-batch 1, {micro} micro-batches per step, TP{tp} (with
@@ -176,6 +216,15 @@ def main() -> None:
         "its finer stages. With nothing moved, the V does not lower the largest rank's peak; "
         "what it changes is that every rank has activations whose backward is far away, which "
         "the engine moves out first.\n")
+    parts.append("## Swap or recompute: when the host link cannot keep up\n")
+    parts.append(slow_links(h100) + "\n")
+    parts.append(
+        "At h100-sxm's own link the engine hides every copy in the rank's compute, so hybrid "
+        "recomputes nothing and equals the engine (the claims below). Where eight GPUs share a "
+        "host's memory and PCIe switches each gets less: the engine then stalls on the copies, "
+        "while hybrid recomputes the blocks the link cannot carry and keeps the rest moving. "
+        "Hybrid is never predicted slower than the engine, nor than full recomputation where that "
+        "fits the budget.\n")
     parts.append("## The claims, per hardware profile\n")
     for name in HARDWARE:
         hw = hardware.load(name)

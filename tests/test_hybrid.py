@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from chameleon_swap.hybrid import (Block, apply_modes, conversion_order, full_recompute_modes,
-                                   plan_hybrid, working_set)
+from chameleon_swap.hybrid import (Block, apply_modes, best_count, conversion_order,
+                                   full_recompute_modes, plan_hybrid, working_set)
 from chameleon_swap.timeline import Plan, Profile, Span, natural_peak, simulate
 
 MB = 2**20
@@ -129,3 +129,16 @@ def test_never_slower_than_full_recompute_or_swap_alone(n_blocks, per_block, bw,
     swap_only = simulate(prof, Plan(frozenset()), budget)     # the guard's forced copies
     if got.budget_ok and swap_only.budget_ok:
         assert got.total_seconds <= swap_only.total_seconds * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("n, target", [(0, 0), (1, 1), (37, 0), (37, 23), (37, 37), (1000, 611)])
+def test_best_count_finds_the_least_of_a_v(n, target):
+    calls = []
+
+    def score(k):
+        calls.append(k)
+        return (abs(k - target),)
+    assert best_count(score, n) == target
+    assert len(calls) == len(set(calls))            # each k scored once
+    # A flat score: the smallest k.
+    assert best_count(lambda k: (0,), n) == 0

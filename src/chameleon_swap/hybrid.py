@@ -32,7 +32,7 @@ when that fits the budget, nor slower than swapping alone.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from .planner import plan as plan_swaps
 from .timeline import Plan, Prediction, Profile, Span, natural_peak, simulate
@@ -186,6 +186,30 @@ def _made(view: Profile, blocks, modes, swap: Plan, keep_view: Optional[Profile]
     return HybridPlan(modes=tuple(modes), profile=view, swap=swap, working_set=ws)
 
 
+def best_count(score: Callable[[int], tuple], n: int) -> int:
+    """The ``k`` in ``[0, n]`` with the least ``score(k)`` (ties: the smaller ``k``), for a score
+    roughly unimodal in ``k``: a geometric ladder 0, 1, 2, 4, ..., n, then a ternary search
+    between the rungs around the best. Each ``k`` is scored at most once."""
+    tried: dict[int, tuple] = {}
+
+    def at(k: int) -> tuple:
+        if k not in tried:
+            tried[k] = score(k)
+        return tried[k]
+    ladder = sorted({0, n} | {min(n, 2 ** i) for i in range(n.bit_length() + 1)})
+    best = min(ladder, key=lambda k: (at(k), k))
+    i = ladder.index(best)
+    lo = ladder[i - 1] if i > 0 else best
+    hi = ladder[i + 1] if i + 1 < len(ladder) else best
+    while hi - lo > 2:
+        m1, m2 = lo + (hi - lo) // 3, hi - (hi - lo) // 3
+        if at(m1) <= at(m2):
+            hi = m2
+        else:
+            lo = m1
+    return min(range(lo, hi + 1), key=lambda k: (at(k), k))
+
+
 class _ModeSearch:
     """Families of mixes along the conversion order, each searched on how many blocks convert:
     all full, all selective (where measured), and full for the first blocks with selective for
@@ -227,25 +251,7 @@ class _ModeSearch:
         return modes
 
     def best_k(self, modes, n: int) -> tuple:
-        tried: dict[int, tuple] = {}
-
-        def at(k: int) -> tuple:
-            if k not in tried:
-                tried[k] = self.score(modes(k))
-            return tried[k]
-        ladder = sorted({0, n} | {min(n, 2 ** i) for i in range(n.bit_length() + 1)})
-        best = min(ladder, key=lambda k: (at(k), k))
-        i = ladder.index(best)
-        lo = ladder[i - 1] if i > 0 else best
-        hi = ladder[i + 1] if i + 1 < len(ladder) else best
-        while hi - lo > 2:
-            m1, m2 = lo + (hi - lo) // 3, hi - (hi - lo) // 3
-            if at(m1) <= at(m2):
-                hi = m2
-            else:
-                lo = m1
-        best = min(range(lo, hi + 1), key=lambda k: (at(k), k))
-        return modes(best)
+        return modes(best_count(lambda k: self.score(modes(k)), n))
 
     def run(self) -> tuple:
         n = len(self.order)

@@ -26,7 +26,7 @@ Every order is checked by ``time_schedule``: it raises when an order would deadl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Sequence, Union
 
 SCHEDULES = ("1f1b", "interleaved", "chronos")
 
@@ -226,17 +226,20 @@ def time_schedule(sched: Schedule, cost: Callable[[Op], float], comm: float = 0.
     return Timed(sched, start, end)
 
 
-def memory_over_time(timed: Timed, act_bytes: Sequence[float]) -> list[list[tuple[float, float]]]:
+def memory_over_time(timed: Timed, act_bytes: Union[Sequence[float], Callable[[Op], float]]
+                     ) -> list[list[tuple[float, float]]]:
     """Per rank, (time, activation bytes held) after each change: a micro-batch's activations of
-    stage ``s`` (``act_bytes[s]``) are held from its forward's start to its backward's end."""
+    stage ``s`` (``act_bytes[s]``, or ``act_bytes(op)`` where they differ by micro-batch) are held
+    from its forward's start to its backward's end."""
+    size = act_bytes if callable(act_bytes) else (lambda op: act_bytes[op.stage])
     out = []
     for r in range(timed.schedule.ranks):
         events = []
         for op in timed.schedule.orders[r]:
             if op.kind == "F":
-                events.append((timed.start[op], 1, act_bytes[op.stage]))
+                events.append((timed.start[op], 1, size(op)))
             else:
-                events.append((timed.end[op], 0, -act_bytes[op.stage]))
+                events.append((timed.end[op], 0, -size(op)))
         events.sort()       # at equal times, frees (0) before allocations (1)
         level, curve = 0.0, [(0.0, 0.0)]
         for t, _, d in events:

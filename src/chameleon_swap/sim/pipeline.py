@@ -1,5 +1,6 @@
 """Pipeline-parallel steps at scale: per-rank memory and step time of a schedule (1F1B,
-interleaved, Chronos) with nothing, full recomputation or the schedule-aware engine per rank.
+interleaved, Chronos) with nothing, full recomputation, the schedule-aware engine, or the engine
+with recomputation where the link cannot keep up (hybrid), per rank.
 
 The model (one micro-batch) is the analytic trace of ``analytic.generate``: its ops' forward
 and backward times and saved tensors are cut into stages by block (the embedding on the first
@@ -19,6 +20,15 @@ start to its backward's end.
   a backward brings its own host bytes back. The copies overlap the rank's compute; what the link
   cannot move within the rank's busy time is exposed, spread over the rank's ops, and the
   schedule is timed again.
+* ``hybrid``: swap and recompute per stage under the engine's budget. Per rank, how many blocks
+  of each (stage, micro-batch) to recompute, the rest kept or swapped as under ``engine``: the
+  link carries what it can hide within the rank's busy time, the rest is recomputed (its blocks'
+  forwards added to that micro-batch's backward). Searched per rank as the single-GPU hybrid
+  planner does (``pipeline_plan.RankSearch``); never predicted slower than ``engine``, nor than
+  ``recompute`` where that fits the budget.
+
+Each mode is a plan per rank (``pipeline_plan.RankPlan``): the memory and traffic of a rank and
+the time its backwards gain come from the same few lines whatever the mode.
 
 What it leaves out: the optimizer step, data-parallel collectives, weight offload, and any
 overlap of the point-to-point transfers with compute (they sit on the critical path).
@@ -28,13 +38,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..pipeline_schedule import (Op, Timed, backward_positions, make_schedule, memory_over_time,
-                                 time_schedule)
+from ..pipeline_schedule import Op, Schedule, Timed, make_schedule, memory_over_time, time_schedule
 from .analytic import generate
 from .hardware import Hardware
 from .models import ModelConfig
+from .pipeline_plan import RankPlan, RankSearch
 
-MODES = ("none", "recompute", "engine")
+MODES = ("none", "recompute", "engine", "hybrid")
 
 
 @dataclass
@@ -46,6 +56,7 @@ class StageCost:
     kept: int = 0               # of which kept under full recompute (block inputs, non-block)
     block_act: int = 0          # largest single block's saved bytes
     state: int = 0              # model-state bytes (weights, gradients, optimizer)
+    blocks: int = 0             # transformer blocks (layers) in the stage
 
 
 @dataclass
@@ -61,6 +72,7 @@ class RankResult:
     fetched_bytes: int = 0
     stall_seconds: float = 0.0
     host_peak_bytes: int = 0
+    recomputed_fraction: float = 0.0    # share of its block forwards that backwards repeat
 
 
 @dataclass
@@ -138,42 +150,39 @@ def stage_costs(cfg: ModelConfig, hw: Hardware, n_stages: int) -> list[StageCost
     rest = cfg.params() - cfg.layers * layer_params - emb
     for s in layer_stage:
         costs[s].state += int(layer_params * per_param)
+        costs[s].blocks += 1
     costs[0].state += int(emb * per_param)
     costs[-1].state += int(rest * per_param)
     return costs
 
 
-def _engine_traffic(timed: Timed, acts: list[int], budget: int,
-                    rank: int) -> tuple[int, int, int]:
-    """Bytes out, bytes back and the most bytes on the host at once on ``rank`` under the
-    schedule-aware policy at ``budget`` (fluid)."""
-    sched = timed.schedule
-    need = backward_positions(sched, rank)
-    resident: dict[tuple, float] = {}
-    host: dict[tuple, float] = {}
-    out = back = on_host = 0.0
-    events = sorted([(timed.start[o], 1, o) for o in sched.orders[rank] if o.kind == "F"] +
-                    [(timed.start[o], 0, o) for o in sched.orders[rank] if o.kind == "B"],
-                    key=lambda e: (e[0], e[1]))
-    for _, _, op in events:
-        key = (op.stage, op.mb)
-        if op.kind == "F":
-            resident[key] = float(acts[op.stage])
-            host[key] = 0.0
-            over = sum(resident.values()) - budget
-            for k in sorted(resident, key=lambda k: need[k], reverse=True):
-                if over <= 0:
-                    break
-                moved = min(resident[k], over)
-                resident[k] -= moved
-                host[k] += moved
-                out += moved
-                over -= moved
-            on_host = max(on_host, sum(host.values()))
-        else:
-            back += host.pop(key, 0.0)
-            resident.pop(key, None)
-    return int(out), int(back), int(on_host)
+def _timed(sched: Schedule, costs: list[StageCost], plans: list[RankPlan], comm: float,
+           stalls: bool = True) -> Timed:
+    """The schedule timed with each rank's plan: a backward gains its unit's recompute, and a
+    rank's stall is spread over its ops (each scaled by ``1 + stall / busy``)."""
+    scale = [1.0 + (p.stall / p.busy if stalls and p.stall else 0.0) for p in plans]
+
+    def cost(op: Op) -> float:
+        c, plan = costs[op.stage], plans[sched.stage_rank[op.stage]]
+        base = c.fwd if op.kind == "F" else c.bwd + plan.extra[op.stage, op.mb]
+        return base * scale[sched.stage_rank[op.stage]]
+    return time_schedule(sched, cost, comm)
+
+
+def _plans(mode: str, searches: list[RankSearch], sched: Schedule, costs: list[StageCost],
+           comm: float) -> list[RankPlan]:
+    if mode == "recompute":
+        return [s.full() for s in searches]
+    if mode != "hybrid":
+        return [s.keep() for s in searches]
+    # Each rank's best plan minimizes its own time; ranks wait on each other, so the schedule
+    # is timed for the per-rank choice and for the two uniform ones (swap only, recompute
+    # everything) and the fastest kept: never predicted slower than either.
+    base = _timed(sched, costs, [s.keep() for s in searches], comm, stalls=False)
+    cands = [[s.best(base) for s in searches], [s.keep() for s in searches],
+             [s.full() for s in searches]]
+    return min(cands, key=lambda plans: (not all(p.ok for p in plans),
+                                         _timed(sched, costs, plans, comm).step_time))
 
 
 def simulate_pipeline(cfg: ModelConfig, hw: Hardware, pp: int, micro_batches: int,
@@ -181,53 +190,38 @@ def simulate_pipeline(cfg: ModelConfig, hw: Hardware, pp: int, micro_batches: in
                       budget: Optional[int] = None) -> PipelineResult:
     """One step of ``schedule`` on ``pp`` ranks, ``micro_batches`` micro-batches of ``cfg``
     (its seq and micro_batch), with ``mode`` on every rank (see the module docstring).
-    ``budget`` (engine): the activation budget of every rank; default what memory leaves."""
+    ``budget`` (engine, hybrid): the activation budget of every rank; default what memory
+    leaves."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
     sched = make_schedule(schedule, pp, micro_batches)
     costs = stage_costs(cfg, hw, sched.stages)
-    rec = mode == "recompute"
-    fwd = [c.fwd for c in costs]
-    bwd = [c.bwd + (c.recompute if rec else 0.0) for c in costs]
     comm = cfg.tokens * cfg.hidden * cfg.elem / cfg.tp / hw.interconnect
-
-    def cost(op: Op) -> float:
-        return fwd[op.stage] if op.kind == "F" else bwd[op.stage]
-
-    timed = time_schedule(sched, cost, comm)
-    held = [c.kept if rec else c.act for c in costs]
-    curves = memory_over_time(timed, held)
     workspace = generate(cfg, hw).steps[0].workspace_bytes
-    ranks, scale = [], {}
-    for r in range(pp):
+    states = [sum(costs[s].state for s in sched.stages_of(r)) for r in range(pp)]
+    budgets: list[Optional[int]] = [None] * pp
+    if mode in ("engine", "hybrid"):
+        budgets = [budget if budget is not None else max(0, hw.usable_bytes - st - workspace)
+                   for st in states]
+    searches = [RankSearch(sched, r, costs, budgets[r], hw.d2h, hw.h2d) for r in range(pp)]
+    plans = _plans(mode, searches, sched, costs, comm)
+    curves = memory_over_time(_timed(sched, costs, plans, comm, stalls=False),
+                              lambda op: plans[sched.stage_rank[op.stage]].held[op.stage, op.mb])
+    ranks = []
+    for r, (plan, b) in enumerate(zip(plans, budgets)):
         mine = sched.stages_of(r)
-        state = sum(costs[s].state for s in mine)
-        natural = int(max(level for _, level in curves[r]))
-        if rec:
-            natural += max(costs[s].block_act for s in mine)
-        res = RankResult(r, mine, state, natural, None, 0, True)
-        if mode == "engine":
-            res.budget_bytes = budget if budget is not None else max(
-                0, hw.usable_bytes - state - workspace)
-            if natural > res.budget_bytes:
-                res.offloaded_bytes, res.fetched_bytes, res.host_peak_bytes = _engine_traffic(
-                    timed, held, res.budget_bytes, r)
-                busy = timed.busy(r)
-                link = max(res.offloaded_bytes / hw.d2h, res.fetched_bytes / hw.h2d)
-                res.stall_seconds = max(0.0, link - busy)
-                scale[r] = 1.0 + res.stall_seconds / busy
-            res.activation_peak_bytes = min(natural, res.budget_bytes)
-        res.total_bytes = state + res.activation_peak_bytes + workspace
+        res = RankResult(r, mine, states[r], plan.activation_peak(b), b, 0, True,
+                         plan.traffic.out, plan.traffic.back, plan.stall, plan.traffic.host_peak,
+                         plan.recomputed_fraction(costs))
+        res.total_bytes = states[r] + res.activation_peak_bytes + workspace
         res.fits = res.total_bytes <= hw.usable_bytes
-        if mode == "engine":
+        if b is not None:
             # A backward streams its own tensors back, so the budget must at least hold one
             # block's; the host must hold what is out.
-            res.fits = (res.fits and res.budget_bytes >= max(costs[s].block_act for s in mine)
+            res.fits = (res.fits and plan.ok and b >= max(costs[s].block_act for s in mine)
                         and res.host_peak_bytes <= hw.host_memory_bytes)
         ranks.append(res)
-    if scale:
-        timed = time_schedule(sched, lambda op: cost(op) * scale.get(sched.stage_rank[op.stage],
-                                                                     1.0), comm)
+    timed = _timed(sched, costs, plans, comm)
     return PipelineResult(schedule, mode, pp, micro_batches, timed.step_time,
                           timed.bubble_fraction(), micro_batches * cfg.tokens / timed.step_time,
                           ranks, cfg.layers, curves)

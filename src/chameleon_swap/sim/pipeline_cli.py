@@ -1,6 +1,7 @@
 """``simulate --pp N --micro-batches M --schedule 1f1b|interleaved|chronos``: one pipeline step
-per memory mode (everything kept, full recompute, the schedule-aware engine), per rank: model
-states, activation peak, total against the device, bytes moved, stall; step time and bubble."""
+per memory mode (everything kept, full recompute, the schedule-aware engine, the engine with
+recomputation where the link cannot keep up), per rank: model states, activation peak, total
+against the device, bytes moved, share of blocks recomputed, stall; step time and bubble."""
 from __future__ import annotations
 
 import argparse
@@ -48,9 +49,9 @@ def run(args: argparse.Namespace, cfg, hw, budget) -> dict:
             rows.append([mode if r.rank == 0 else "", r.rank, ",".join(map(str, r.stages)),
                          report.gib(r.state_bytes), report.gib(r.activation_peak_bytes),
                          report.gib(r.total_bytes), report.gib(r.offloaded_bytes),
-                         r.stall_seconds, r.fits,
+                         f"{r.recomputed_fraction:.0%}", r.stall_seconds, r.fits,
                          res.step_seconds if r.rank == 0 else None,
                          f"{res.bubble_fraction:.1%}" if r.rank == 0 else None])
     print(report.table(["mode", "rank", "stages", "states", "act peak", "total", "moved out",
-                        "stall s", "fits", "step s", "bubble"], rows), end="")
+                        "recomputed", "stall s", "fits", "step s", "bubble"], rows), end="")
     return results
