@@ -50,6 +50,9 @@ class WeightStepStats:
     """What one step of :class:`WeightOffload` did."""
 
     peak_bytes: int = 0         # most weight bytes on the device from the first block on
+    peak_held_bytes: int = 0    # of which: blocks fetched or run in this step, at most two
+                                # (the rest: blocks still there from the step's start while
+                                # their copy-out runs; each goes as soon as it has finished)
     offloaded_bytes: int = 0    # copied device -> host at the step's start
     fetched_bytes: int = 0      # copied host -> device (prefetches and on-demand fetches)
     sync_fetches: int = 0       # blocks needed before a prefetch had started
@@ -114,7 +117,8 @@ class WeightOffload:
         self._lock = threading.RLock()
         self._in_step = False
         self._step_id = 0
-        self.resident_bytes = 0
+        self.resident_bytes = 0             # weight bytes of the blocks on the device
+        self.held_bytes = 0                 # of which: blocks fetched or run in this step
         self.last_step: Optional[WeightStepStats] = None
         self._stats = WeightStepStats()
         for b in self._blocks:
@@ -197,6 +201,7 @@ class WeightOffload:
                                    "end it first")
             self._step_id += 1
             self._stats = WeightStepStats()
+            self.held_bytes = 0
             ready = self.copy.record_ready()      # after the optimizer's last write
             for b in self._blocks:
                 self._layout(b)
@@ -255,7 +260,9 @@ class WeightOffload:
         b.state = FETCHING
         b.used = True
         self._stats.fetched_bytes += b.nbytes
-        self._count(b.nbytes)
+        self.resident_bytes += b.nbytes
+        self.held_bytes += b.nbytes
+        self._sample()
 
     def _settle(self, b: _Block) -> None:
         """Make compute wait for the block's fetch, then give the parameters their data back."""
@@ -286,7 +293,9 @@ class WeightOffload:
             self._stats.sync_fetches += 1
             self._fetch(b)
         self._settle(b)
-        b.used = True
+        if not b.used:                      # still here from the step's start
+            b.used = True
+            self.held_bytes += b.nbytes
 
     def _prefetch(self, i: int) -> None:
         if 0 <= i < len(self._blocks) and self._blocks[i].state == HOST:
@@ -306,6 +315,8 @@ class WeightOffload:
             s.resize_(0)
         b.state = HOST
         self.resident_bytes -= b.nbytes
+        if b.used:
+            self.held_bytes -= b.nbytes
 
     def _release_others(self, keep, wait_leaving: bool) -> None:
         """Release resident blocks outside ``keep`` and not running a forward. Blocks still
@@ -318,14 +329,12 @@ class WeightOffload:
                 continue
             self._release(b)
 
-    def _count(self, nbytes: int) -> None:
-        self.resident_bytes += nbytes
-        self._sample()
-
     def _sample(self) -> None:
         # Inside the step only: the end's restore brings the whole model back by design.
-        if self._in_step and self.resident_bytes > self._stats.peak_bytes:
-            self._stats.peak_bytes = self.resident_bytes
+        if self._in_step:
+            st = self._stats
+            st.peak_bytes = max(st.peak_bytes, self.resident_bytes)
+            st.peak_held_bytes = max(st.peak_held_bytes, self.held_bytes)
 
     # ------------------------------------------------------------------ hooks
     def _active(self) -> bool:
