@@ -174,8 +174,9 @@ class PipelineChameleon:
         self._policy = self.engine.policy_object
         self.offload_weights = offload_weights
         self._weight_copy = None            # one copy engine for every stage's weights
-        # Per stage module (by identity): its WeightOffload, kept across attach() of new
-        # schedules over the same modules so host buffers are pinned once.
+        # Per stage module (by id; each WeightOffload holds its module, so an id cannot be
+        # reused while it is here): kept across attach() of new schedules over the same
+        # modules, so host buffers are pinned once.
         self.weight_offloads: dict = {}
         self._wrapped: list = []
         self._in_step = False

@@ -39,6 +39,7 @@ from typing import Iterator, Optional
 import torch
 import torch.nn as nn
 
+from .blocks import _check_disjoint, check_unshared
 from .copy import CopyEngine, make_copy_engine
 from .copy.host_pool import align_up
 
@@ -106,11 +107,11 @@ class WeightOffload:
         blocks = list(blocks)
         if not blocks or not all(isinstance(b, nn.Module) for b in blocks):
             raise TypeError("blocks must be a non-empty list of nn.Module blocks")
-        from .blocks import _check_disjoint
         _check_disjoint(blocks)
+        check_unshared(blocks, model)
         self.device = self._device(blocks, device)
         self._blocks = [_Block(i, list(b.parameters())) for i, b in enumerate(blocks)]
-        _check_not_shared(blocks, self._blocks, model)
+        self.model = model
         self._own_copy = copy is None
         self.copy = make_copy_engine(self.device) if copy is None else copy
         self._pin = self.device.type == "cuda"
@@ -424,34 +425,6 @@ def _grad_outputs(output) -> list:
     if isinstance(output, (list, tuple)):
         return [t for o in output for t in _grad_outputs(o)]
     return []
-
-
-def _check_not_shared(modules, blocks: list[_Block], model: Optional[nn.Module]) -> None:
-    """Refuse a storage held by two blocks, or by a block and the rest of ``model``: releasing it
-    with one block would pull the weights from under the other user."""
-    owner: dict = {}
-    for b in blocks:
-        for p in b.params:
-            s = p.untyped_storage()
-            other = owner.setdefault(id(s), (b.index, s))[0]
-            if other != b.index:
-                raise ValueError(f"blocks {other} and {b.index} share a parameter (tied "
-                                 "weights): weight offload needs each block's parameters to "
-                                 "be its own; untie them or leave those blocks out of blocks")
-    if model is None:
-        return
-    inside = {id(m) for block in modules for m in block.modules()}
-    for name, m in model.named_modules():
-        if id(m) in inside:
-            continue
-        for pname, t in list(m.named_parameters(recurse=False)) + list(
-                m.named_buffers(recurse=False)):
-            if t is not None and id(t.untyped_storage()) in owner:
-                i = owner[id(t.untyped_storage())][0]
-                full = f"{name}.{pname}" if name else pname
-                raise ValueError(f"model.{full} shares its storage with a parameter of block "
-                                 f"{i} (tied weights): weight offload would release it under "
-                                 "the rest of the model; untie it or leave that block out")
 
 
 __all__ = ["WeightOffload", "WeightStepStats"]
