@@ -34,6 +34,11 @@ and passes both: ``ScheduleChronos([s_lo, s_hi], n_microbatches=8, loss_fn=loss_
 
 A new schedule object (say, for another sequence length) is taken up with ``eng.attach(schedule)``
 between steps.
+
+For stages holding more layers than fit, ``PipelineChameleon(schedule, budget,
+offload_weights=True)`` also keeps each stage's block weights on the host between their uses
+inside a step (:class:`~chameleon_swap.weights.WeightOffload`): about two blocks' weights on the
+device during the step, every parameter back on it between steps.
 """
 from __future__ import annotations
 
