@@ -157,9 +157,12 @@ class WeightOffload:
         host buffer for each, allocated (pinned on CUDA) only when the sizes change."""
         storages, seen = [], set()
         for p in b.params:
-            if p.layout != torch.strided or p.device != self.device:
-                raise ValueError(f"weight offload needs strided parameters on {self.device}; "
-                                 f"block {b.index} has one {p.layout} on {p.device}")
+            if p.layout != torch.strided or p.device != self.device or type(p.data) is not \
+                    torch.Tensor:
+                raise ValueError(f"weight offload needs plain strided parameters on "
+                                 f"{self.device}; block {b.index} has a {type(p.data).__name__} "
+                                 f"({p.layout}) on {p.device} (tensor subclasses such as DTensor "
+                                 "are not supported)")
             s = p.untyped_storage()
             if id(s) not in seen:
                 if not s.resizable():
