@@ -42,11 +42,11 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, n: int = 4, ckpt: bool = False, repeat: bool = False) -> None:
+    def __init__(self, n: int = 4, ckpt: bool = False, repeat: bool = False, d: int = D) -> None:
         super().__init__()
-        self.inp = nn.Linear(8, D)
-        self.layers = nn.ModuleList(Block() for _ in range(n))
-        self.head = nn.Linear(D, 3)
+        self.inp = nn.Linear(8, d)
+        self.layers = nn.ModuleList(Block(d) for _ in range(n))
+        self.head = nn.Linear(d, 3)
         self.ckpt, self.repeat = ckpt, repeat
 
     def forward(self, x):
@@ -316,7 +316,7 @@ def test_cuda_stream_ordering_and_memory():
     gradients would differ), compute waits for the copies back, and released blocks really
     leave the device (the caching allocator's count)."""
     torch.manual_seed(0)
-    ref = Net(n=6).cuda()
+    ref = Net(n=6, d=512).cuda()          # about 5 MiB of weights a block
     got = copy.deepcopy(ref)
     xs = [x.cuda() for x in _batches(3, b=64)]
 
