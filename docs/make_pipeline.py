@@ -102,8 +102,8 @@ def reading(hw, eng_layers: int) -> str:
             f"optimizer states alone take {format_bytes(states)} of "
             f"{format_bytes(hw.usable_bytes)} usable. Once activations can go to the host they "
             f"no longer bound the size; going further needs the model states off the device too "
-            f"(ChronosPipe's Chronos-Offload also moves weights; not implemented here) or "
-            f"sharded (ZeRO).")
+            f"(ChronosPipe's Chronos-Offload also moves weights, gradients and optimizer "
+            f"states; here weights leave only inside a step, see below) or sharded (ZeRO).")
 
 
 def per_rank(hw) -> str:
@@ -196,8 +196,30 @@ memory; with the engine the rank's activation budget is what that leaves, it mus
 one block's activations, and the host must hold what is out. "Comparable throughput": model
 FLOP/s (tokens/s x layers) at least {comparable:.0%} of 1F1B's at the largest model 1F1B fits.
 Copies overlap the rank's compute; only what the link cannot move within the rank's busy time is
-exposed. Left out: the optimizer step, data-parallel collectives, weight offload (not
-implemented), and overlap of point-to-point transfers.
+exposed. Left out: the optimizer step, data-parallel collectives, weight offload (implemented
+inside a step, see the last section; not in this model), and overlap of point-to-point transfers.
+"""
+
+WEIGHTS = """## Weight offload inside a step (`offload_weights=True`)
+
+`PipelineChameleon(schedule, budget, offload_weights=True)` also keeps each stage's block weights
+in host memory between their uses inside a step (`chameleon_swap.weights.WeightOffload`, on
+every stage of the rank; blocks are `find_blocks` of the stage's module, else its children). At
+the step's start each block's parameters are copied to a pinned host buffer (one copy-out per
+step: weights do not change inside it); a block's weights come back just before its forward and
+just before its backward (when the gradient reaches its outputs), the next block's (forward
+order in forward, reverse in backward) on the copy stream meanwhile, and leave once its forward
+has run and once its parameters' gradients have accumulated. Releasing frees the parameters'
+storages in place, so what autograd saved (weights and views of them) holds no device memory
+until the block comes back. Gradients stay bit-for-bit those without it. Between steps every
+parameter is on the device: the optimizer and the user see a plain model, so gradients and
+optimizer states are as without it and the model states' bound above is unchanged; what it
+frees is weight memory while activations are alive, which is at most two blocks' weights
+(`WeightStepStats.peak_held_bytes`) plus, early in the step, blocks whose copy-out has not
+finished yet (`StepStats.weight_peak_bytes` counts those too). It needs full backwards
+(1F1B, GPipe, interleaved 1F1B, Chronos; zero-bubble schedules that split weight gradients are
+refused) and no parameter shared between blocks or with the rest of the stage. The simulator
+above does not model it.
 """
 
 
@@ -235,6 +257,7 @@ def main() -> None:
                             f"throughput vs 1F1B + recompute at {rec} layers (claim 1.5x)"],
                            rows, markdown=True) + "\n")
         parts.append(reading(hw, eng) + "\n")
+    parts.append(WEIGHTS)
     (DOCS / "PIPELINE.md").write_text("\n".join(parts))
 
 

@@ -1,12 +1,13 @@
 """Finding a model's repeated blocks: Hugging Face _no_split_modules, the largest uniform
-nn.ModuleList, or what the user names; errors that say what blocks= accepts."""
+nn.ModuleList, or what the user names; errors that say what blocks= accepts; parameters shared
+between blocks, or between a block and the rest of the model, are found."""
 from __future__ import annotations
 
 import pytest
 import torch.nn as nn
 
 from _models import TModel
-from chameleon_swap.blocks import find_blocks
+from chameleon_swap.blocks import check_unshared, find_blocks
 from chameleon_swap.workloads import get_workload
 
 
@@ -81,3 +82,19 @@ def test_find_blocks_rejects_nesting_duplicates_and_models_without_blocks():
         find_blocks(nn.Linear(2, 2))
     with pytest.raises(TypeError, match="model must be an nn.Module"):
         find_blocks("model")
+
+
+def test_check_unshared_finds_tied_weights():
+    def net():
+        return nn.ModuleDict({"layers": nn.ModuleList(nn.Linear(3, 3) for _ in range(3)),
+                              "head": nn.Linear(3, 3)})
+    m = net()
+    check_unshared(list(m["layers"]), m)                      # nothing shared: no error
+    m["layers"][2].weight = m["layers"][0].weight
+    with pytest.raises(ValueError, match="blocks 0 and 2 share a parameter"):
+        check_unshared(list(m["layers"]))
+    m = net()
+    m["head"].weight = m["layers"][1].weight
+    check_unshared(list(m["layers"]))                         # without the model: unseen
+    with pytest.raises(ValueError, match=r"model\.head\.weight shares its storage .* block 1"):
+        check_unshared(list(m["layers"]), m)

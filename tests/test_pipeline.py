@@ -11,6 +11,10 @@ stage's gradients accumulate in micro-batch order in both, so nothing reorders a
 every rank must hold its budget on every step and have moved bytes. The CPU copy engine's
 workers are slowed down (as in test_distributed), so an unordered copy would read wrong bytes.
 
+Weight offload (``offload_weights=True``) runs under 1F1B on an 8-block Llama (4 blocks a stage),
+with no budget and at 0%: the same bitwise checks against that model's reference, and every rank
+holds at most two blocks' weights fetched or run in the step at once.
+
 One spawned job runs everything (two interpreters cost most of the time on a 2-core machine);
 results or tracebacks come back through files; the assertions run here.
 """
@@ -39,7 +43,7 @@ pytestmark = [
 
 WORLD = 2
 MICRO = 4
-JOB_TIMEOUT_S = 240
+JOB_TIMEOUT_S = 300
 COLLECTIVE_TIMEOUT_S = 60
 COPY_DELAY_S = "0.0005"
 TINY = dict(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=64)
@@ -47,6 +51,7 @@ SEQ_LENS = (16, 24, 12)
 SCHEDULES = ("1f1b", "chronos", "interleaved")
 BUDGETS = {"none": None, "25%": 0.25, "0%": 0.0}
 SHORT = ("interleaved",)         # PyTorch's interleaved 1F1B: no budget and 0% only (time)
+WEIGHTS = dict(TINY, n_layers=8)  # weight offload: 4 blocks a stage, so "two blocks" bounds
 
 
 def _batches():
@@ -58,19 +63,19 @@ def _batches():
     return out
 
 
-def _model() -> Llama:
+def _model(cfg=None) -> Llama:
     torch.manual_seed(0)
-    return Llama(LlamaConfig(**TINY))
+    return Llama(LlamaConfig(**(cfg or TINY)))
 
 
 def _grads(model) -> dict:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def reference() -> list:
+def reference(cfg=None) -> list:
     """Per step: the micro-batch losses and the gradients of the accumulation in one process,
     scaled as PyTorch's schedules scale them (divided by the number of micro-batches)."""
-    model = _model()
+    model = _model(cfg)
     stages = split_llama(model, 4)       # the same modules; running them in a row is the model
     out = []
     for x, y in _batches():
@@ -90,13 +95,13 @@ def reference() -> list:
 
 
 # ---------------------------------------------------------------------------- in the children
-def _train(rank: int, schedule: str, budget) -> dict:
+def _train(rank: int, schedule: str, budget, cfg=None, offload_weights=False) -> dict:
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
                                               ScheduleInterleaved1F1B)
 
     from chameleon_swap.pipeline import PipelineChameleon, ScheduleChronos, chronos_stage_indices
 
-    model = _model()
+    model = _model(cfg)
     n_stages = WORLD if schedule == "1f1b" else 2 * WORLD
     parts = split_llama(model, n_stages)
     mine = ([rank] if schedule == "1f1b" else [rank, rank + WORLD] if schedule == "interleaved"
@@ -114,7 +119,8 @@ def _train(rank: int, schedule: str, budget) -> dict:
                     "chronos": lambda st: ScheduleChronos(st, MICRO, loss_fn=llama_loss)}
             sched = make[schedule](stages)
             if eng is None:
-                eng = PipelineChameleon(sched, budget, device="cpu", min_tensor_bytes=0)
+                eng = PipelineChameleon(sched, budget, device="cpu", min_tensor_bytes=0,
+                                        offload_weights=offload_weights)
             else:
                 eng.attach(sched)
             model.zero_grad(set_to_none=True)
@@ -124,6 +130,13 @@ def _train(rank: int, schedule: str, budget) -> dict:
             res["losses"].append([t.detach() for t in losses])
             res["grads"].append(_grads(model))
             res["stats"].append(eng.last_step.as_dict())
+            if offload_weights:
+                offs = list(eng.weight_offloads.values())
+                res.setdefault("held", []).append(max(o.last_step.peak_held_bytes for o in offs))
+                res["block_bytes"] = max(max(o.block_bytes) for o in offs)
+                res.setdefault("back", []).append(all(
+                    p.untyped_storage().nbytes() == p.numel() * p.element_size()
+                    for p in model.parameters()))
         res["host_in_use"] = eng.engine.host_bytes_in_use
     finally:
         if eng is not None:
@@ -150,6 +163,15 @@ def _child(rank: int, port: int, out_dir: str) -> None:
             except Exception:
                 torch.save({"error": traceback.format_exc()}, path)
                 raise
+        path = Path(out_dir) / f"weights-{rank}.pt"
+        try:
+            runs = {"none": _train(rank, "1f1b", None, WEIGHTS, offload_weights=True)}
+            natural = min(s["peak_resident_bytes"] for s in runs["none"]["stats"])
+            runs["0%"] = _train(rank, "1f1b", 0 * natural, WEIGHTS, offload_weights=True)
+            torch.save({"runs": runs}, path)
+        except Exception:
+            torch.save({"error": traceback.format_exc()}, path)
+            raise
     finally:
         dist.destroy_process_group()
 
@@ -177,7 +199,7 @@ def results(tmp_path_factory):
             if p.is_alive():
                 p.kill()
     got = {}
-    for schedule in SCHEDULES:
+    for schedule in SCHEDULES + ("weights",):
         for rank in range(WORLD):
             path = out / f"{schedule}-{rank}.pt"
             if not path.exists():
@@ -205,6 +227,10 @@ CASES = [(s, label) for s in SCHEDULES for label in BUDGETS
 
 @pytest.mark.parametrize("schedule,label", CASES)
 def test_losses_and_gradients_bitwise(results, ref, schedule, label):
+    _assert_bitwise(results, ref, schedule, label)
+
+
+def _assert_bitwise(results, ref, schedule, label):
     merged = [{} for _ in SEQ_LENS]
     for rank in range(WORLD):
         run = results[schedule, rank][label]
@@ -221,6 +247,24 @@ def test_losses_and_gradients_bitwise(results, ref, schedule, label):
             assert torch.equal(g, merged[step][name]), \
                 f"step {step}: gradient of {name} differs " \
                 f"(max abs diff {(g - merged[step][name]).abs().max()})"
+
+
+@pytest.mark.parametrize("label", ["none", "0%"])
+def test_weight_offload_bitwise_and_within_two_blocks(results, label):
+    """offload_weights=True under 1F1B: every loss and gradient is the reference's; on every
+    rank and step at most two blocks' weights fetched or run were on the device at once, every
+    parameter was back after the step, and the activation budget (0%) still held."""
+    _assert_bitwise(results, reference(WEIGHTS), "weights", label)
+    for rank in range(WORLD):
+        run = results["weights", rank][label]
+        assert all(run["back"]), f"rank {rank}: a parameter was not back after a step"
+        for step, (st, held) in enumerate(zip(run["stats"], run["held"])):
+            assert 0 < held <= 2 * run["block_bytes"], (rank, step, held, run["block_bytes"])
+            assert st["weight_peak_bytes"] >= held
+            if label == "0%":
+                assert st["peak_resident_bytes"] <= run["budget"]
+                assert st["offloaded_bytes"] > 0
+        assert run["host_in_use"] == 0
 
 
 @pytest.mark.parametrize("schedule,label", [c for c in CASES if BUDGETS[c[1]] is not None])
@@ -309,3 +353,23 @@ def test_clear_errors():
         PipelineChameleon(_FakeSchedule(_FakeStage(0)), policy="guard")
     with pytest.raises(TypeError, match="schedule must be a torch.distributed.pipelining"):
         PipelineChameleon(object(), device="cpu")
+    with pytest.raises(TypeError, match="offload_weights must be True or False; got str"):
+        PipelineChameleon(_FakeSchedule(_FakeStage(0)), device="cpu", offload_weights="yes")
+
+
+def test_weight_offload_refuses_split_backwards():
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+    from chameleon_swap.pipeline import PipelineChameleon
+    F, I, W = (_ComputationType.FORWARD, _ComputationType.BACKWARD_INPUT,
+               _ComputationType.BACKWARD_WEIGHT)
+    stage = _FakeStage(0)
+    stage.submod = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    split = _FakeSchedule(stage, {0: [_Action(0, F, 0), _Action(0, I, 0), _Action(0, W, 0)]}, 1)
+    with pytest.raises(ValueError, match="offload_weights=True needs a schedule with full "
+                                         "backwards"):
+        PipelineChameleon(split, device="cpu", offload_weights=True)
+    whole = _FakeSchedule(stage, {0: [_Action(0, F, 0), _Action(0, I, 0)]}, 1)
+    with PipelineChameleon(whole, device="cpu", offload_weights=True) as eng:
+        (off,) = eng.weight_offloads.values()
+        assert len(off.block_bytes) == 2          # no repeated blocks: the children

@@ -1,7 +1,10 @@
 """Finding a model's repeated blocks (the units the recompute mechanism runs keep, selective or
-full): Hugging Face ``_no_split_modules``, else the largest nn.ModuleList of one class, or what the
-user names."""
+full, and weight offload moves): Hugging Face ``_no_split_modules``, else the largest
+nn.ModuleList of one class, or what the user names; and checking that no two of them share
+parameters."""
 from __future__ import annotations
+
+from typing import Optional
 
 import torch.nn as nn
 
@@ -93,3 +96,31 @@ def _check_disjoint(found: list[nn.Module]) -> None:
             if id(other) in inner:
                 raise ValueError(f"blocks must not nest: a {type(other).__name__} is inside a "
                                  f"{type(b).__name__}; pass the outermost blocks only")
+
+
+def check_unshared(blocks: list[nn.Module], model: Optional[nn.Module] = None) -> None:
+    """Refuse a parameter storage held by two of ``blocks``, or by a block and the rest of
+    ``model`` (tied weights): whatever moves or frees one block's weights would pull them from
+    under the other user."""
+    owner: dict = {}
+    for i, b in enumerate(blocks):
+        for p in b.parameters():
+            other = owner.setdefault(id(p.untyped_storage()), (i, p))[0]
+            if other != i:
+                raise ValueError(f"blocks {other} and {i} share a parameter (tied weights): "
+                                 "weight offload needs each block's parameters to be its own; "
+                                 "untie them or leave those blocks out of blocks")
+    if model is None:
+        return
+    inside = {id(m) for b in blocks for m in b.modules()}
+    for name, m in model.named_modules():
+        if id(m) in inside:
+            continue
+        own = list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False))
+        for pname, t in own:
+            if t is not None and id(t.untyped_storage()) in owner:
+                full = f"{name}.{pname}" if name else pname
+                raise ValueError(f"model.{full} shares its storage with a parameter of block "
+                                 f"{owner[id(t.untyped_storage())][0]} (tied weights): weight "
+                                 "offload would release it under the rest of the model; untie "
+                                 "it or leave that block out")

@@ -63,6 +63,9 @@ class StepStats:
     recomputed_bytes: int = 0          # activation bytes not kept because their block recomputes
     recompute_seconds: float = 0.0     # measured forward time repeated in backward
     block_modes: tuple = ()            # block calls that ran (keep, selective, full); () no model
+    # Weight offload (PipelineChameleon(offload_weights=True)); None without it.
+    weight_peak_bytes: Optional[int] = None   # most block-weight bytes on the device at once,
+                                              # from the first block's forward on
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -81,6 +84,8 @@ class StepStats:
             k, sel, full = self.block_modes
             parts.append(f"blocks keep {k}/sel {sel}/full {full}, "
                          f"recompute {self.recompute_seconds * 1e3:.1f} ms")
+        if self.weight_peak_bytes is not None:
+            parts.append(f"weights peak {format_bytes(self.weight_peak_bytes)}")
         if self.min_budget_bytes is not None and self.min_budget_bytes != self.budget_bytes:
             parts.append(f"budget lowered to {format_bytes(self.min_budget_bytes)}")
         if self.memory_tightened:

@@ -34,6 +34,11 @@ and passes both: ``ScheduleChronos([s_lo, s_hi], n_microbatches=8, loss_fn=loss_
 
 A new schedule object (say, for another sequence length) is taken up with ``eng.attach(schedule)``
 between steps.
+
+For stages holding more layers than fit, ``PipelineChameleon(schedule, budget,
+offload_weights=True)`` also keeps each stage's block weights on the host between their uses
+inside a step (:class:`~chameleon_swap.weights.WeightOffload`): about two blocks' weights on the
+device during the step, every parameter back on it between steps.
 """
 from __future__ import annotations
 
@@ -113,6 +118,35 @@ def schedule_positions(schedule) -> dict[tuple[int, int], int]:
     return {(s.stage_index, mb): mb for s in stages for mb in range(schedule._n_microbatches)}
 
 
+def _stage_blocks(module) -> list:
+    """The blocks of one stage whose weights are offloaded: its repeated blocks, else its
+    children (a stage of unlike layers)."""
+    from .blocks import find_blocks
+    try:
+        return find_blocks(module)
+    except ValueError:
+        children = [c for c in module.children() if any(True for _ in c.parameters())]
+        if not children:
+            raise ValueError(f"offload_weights=True: the stage's {type(module).__name__} has "
+                             "no repeated blocks and no child module with parameters to "
+                             "offload") from None
+        return children
+
+
+def _check_full_backwards(schedule, stages) -> None:
+    """Weight offload brings a block back when the gradient reaches its outputs; a schedule
+    that computes weight gradients in an action of their own (zero bubble) would run it on
+    released weights."""
+    order = getattr(schedule, "pipeline_order", None) or {}
+    for actions in order.values():
+        for a in actions:
+            if a is not None and a.computation_type == _ComputationType.BACKWARD_WEIGHT:
+                raise ValueError(f"offload_weights=True needs a schedule with full backwards; "
+                                 f"{type(schedule).__name__} splits input and weight gradients "
+                                 f"(action {a}); use Schedule1F1B, ScheduleGPipe, "
+                                 f"ScheduleInterleaved1F1B or ScheduleChronos")
+
+
 class PipelineChameleon:
     """One :class:`~chameleon_swap.Chameleon` for this rank's stages of a pipeline schedule.
 
@@ -122,17 +156,33 @@ class PipelineChameleon:
         budget: saved-activation bytes this rank may keep on its device at once (all its stages
             and micro-batches together): an int or a size string; None is unlimited.
         device_memory_limit: CUDA: a cap on all device memory instead (see ``Chameleon``).
+        offload_weights: True: each stage's blocks (``find_blocks`` on the stage's module, else
+            its child modules) keep their parameters in host memory between uses inside a step
+            and come back just before their forward and their backward, the next block's
+            prefetched (:class:`~chameleon_swap.weights.WeightOffload`). For stages holding more
+            layers than fit; between steps every parameter is on the device as usual.
+            ``last_step.weight_peak_bytes`` is the most weight bytes the rank held at once.
         **engine_kwargs: the other arguments of ``Chameleon`` (``device``, ``min_tensor_bytes``,
             ``host_memory_limit``, ...), except ``policy``: it is ``"schedule"``.
     """
 
-    def __init__(self, schedule, budget=None, *, device_memory_limit=None, **engine_kwargs):
+    def __init__(self, schedule, budget=None, *, device_memory_limit=None,
+                 offload_weights: bool = False, **engine_kwargs):
         if "policy" in engine_kwargs:
             raise ValueError("PipelineChameleon runs the 'schedule' policy; do not pass policy=")
+        if not isinstance(offload_weights, bool):
+            raise TypeError(f"offload_weights must be True or False; got "
+                            f"{type(offload_weights).__name__} {offload_weights!r}")
         _schedule_stages(schedule)          # a clear error before any engine is made
         self.engine = Chameleon(budget, device_memory_limit=device_memory_limit,
                                 policy="schedule", **engine_kwargs)
         self._policy = self.engine.policy_object
+        self.offload_weights = offload_weights
+        self._weight_copy = None            # one copy engine for every stage's weights
+        # Per stage module (by id; each WeightOffload holds its module, so an id cannot be
+        # reused while it is here): kept across attach() of new schedules over the same
+        # modules, so host buffers are pinned once.
+        self.weight_offloads: dict = {}
         self._wrapped: list = []
         self._in_step = False
         self._t0 = 0.0
@@ -146,9 +196,14 @@ class PipelineChameleon:
         """Follow ``schedule`` (this rank's stages and order) from the next step on."""
         if self._in_step:
             raise RuntimeError("attach() a new schedule between steps, not inside eng.step()")
+        stages = _schedule_stages(schedule)
+        if self.offload_weights:
+            _check_full_backwards(schedule, stages)
         self._unwrap()
-        self.stages = _schedule_stages(schedule)
+        self.stages = stages
         self._policy.positions = schedule_positions(schedule)
+        if self.offload_weights:
+            self._offload_stage_weights()
         for stage in self.stages:
             fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
             stage.forward_one_chunk = functools.partial(self._run, stage.stage_index, fwd)
@@ -162,6 +217,9 @@ class PipelineChameleon:
         out = fn(chunk_id, *args, **kwargs)
         if self._in_step:
             kind = "B" if fn.__name__ == "backward_one_chunk" else "F"
+            if kind == "B" and self.offload_weights:
+                # The stage's first block is released by nothing else once its backward is done.
+                self._stage_offload(stage_index).release_idle()
             self.timeline.append((time.perf_counter() - self._t0,
                                   f"{stage_index}{kind}{chunk_id}", self.engine.resident_bytes))
             # Copies back for the coming backwards start now, while this rank sends, receives or
@@ -180,18 +238,60 @@ class PipelineChameleon:
             stage.forward_one_chunk, stage.backward_one_chunk = fwd, bwd
         self._wrapped = []
 
+    def _offload_stage_weights(self) -> None:
+        from .copy import make_copy_engine
+        from .weights import WeightOffload
+        if self._weight_copy is None:
+            self._weight_copy = make_copy_engine(self.engine.device)
+        keep = {}
+        for stage in self.stages:
+            mod = stage.submod
+            off = self.weight_offloads.pop(id(mod), None)
+            if off is None:
+                off = WeightOffload(_stage_blocks(mod), device=self.engine.device,
+                                    copy=self._weight_copy, model=mod)
+            keep[id(mod)] = off
+        for off in self.weight_offloads.values():     # stages no longer followed
+            off.close()
+        self.weight_offloads = keep
+
+    def _stage_offload(self, stage_index: int):
+        for stage in self.stages:
+            if stage.stage_index == stage_index:
+                return self.weight_offloads[id(stage.submod)]
+        raise KeyError(stage_index)
+
     # ------------------------------------------------------------------ the user's view
     @contextlib.contextmanager
     def step(self) -> Iterator["PipelineChameleon"]:
         """One schedule step on this rank: every micro-batch's forward and backward."""
-        with self.engine.step():
-            self._in_step = True
-            self.timeline = []
-            self._t0 = time.perf_counter()
-            try:
-                yield self
-            finally:
-                self._in_step = False
+        offloads = list(self.weight_offloads.values())
+        try:
+            with self.engine.step():
+                self._in_step = True
+                self.timeline = []
+                self._t0 = time.perf_counter()
+                failed = False
+                try:
+                    for off in offloads:
+                        off.begin_step()
+                    yield self
+                except BaseException:
+                    failed = True
+                    raise
+                finally:
+                    self._in_step = False
+                    # Every parameter back on the device before the step ends (and the
+                    # optimizer runs), whatever happened inside.
+                    for off in offloads:
+                        off.end_step(failed)
+        finally:
+            last = self.engine.last_step
+            if offloads and last is not None:
+                # Each stage's peak, summed: exact with one stage per rank, an upper bound
+                # with two (their blocks are seldom all resident at once).
+                last.weight_peak_bytes = sum(off.last_step.peak_bytes for off in offloads
+                                             if off.last_step is not None)
 
     @property
     def last_step(self):
@@ -203,6 +303,12 @@ class PipelineChameleon:
 
     def close(self) -> None:
         self._unwrap()
+        for off in self.weight_offloads.values():
+            off.close()
+        self.weight_offloads = {}
+        if self._weight_copy is not None:
+            self._weight_copy.close()
+            self._weight_copy = None
         self.engine.close()
 
     def __enter__(self) -> "PipelineChameleon":

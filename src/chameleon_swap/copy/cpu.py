@@ -124,10 +124,14 @@ class CpuCopyEngine:
 
     def fetch(self, src: torch.Tensor, after: Optional[CpuTicket]) -> tuple[torch.Tensor, CpuTicket]:
         dst = torch.empty(src.numel(), dtype=torch.uint8)
+        return dst, self.fetch_into(src, dst, after)
+
+    def fetch_into(self, src: torch.Tensor, dst: torch.Tensor,
+                   after: Optional[CpuTicket]) -> CpuTicket:
         ticket = CpuTicket()
         self._deferred.append((ticket, (src, dst), None))
         self._h2d.jobs.put((weakref.ref(src), weakref.ref(dst), ticket, after))
-        return dst, ticket
+        return ticket
 
     def wait(self, ticket: CpuTicket) -> bool:
         late = not ticket.done()

@@ -6,8 +6,9 @@ Rules (docs/ARCHITECTURE.md; docs/LESSONS.md 1, 2, 3, 7):
   the compute stream waits on that (already complete) event before the reference is dropped, so the
   caching allocator and the CUDA sanitizer both see the copy ordered before the free. No
   ``record_stream``, which fragments the allocator;
-* a fetch's destination is allocated on the compute stream, the H2D stream waits for that point
-  and for the copy-out, and compute waits for the fetch's event before reading;
+* a fetch's destination is allocated on the compute stream (``fetch_into``: given, allocated or
+  last used there), the H2D stream waits for that point and for the copy-out, and compute waits
+  for the fetch's event before reading;
 * completion is learnt by querying only the oldest pending event of each stream (copies on one
   stream finish in order), so polling costs at most two queries per call.
 """
@@ -63,8 +64,13 @@ class CudaCopyEngine:
         return ticket
 
     def fetch(self, src: torch.Tensor, after: Optional[CudaTicket]) -> tuple[torch.Tensor, CudaTicket]:
-        compute = self._compute()
         dst = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)  # compute-stream block
+        return dst, self.fetch_into(src, dst, after)
+
+    def fetch_into(self, src: torch.Tensor, dst: torch.Tensor,
+                   after: Optional[CudaTicket]) -> CudaTicket:
+        compute = self._compute()
+        # dst was allocated (or last used) on the compute stream: the copy waits for that point.
         allocated = torch.cuda.Event()
         allocated.record(compute)
         self.h2d.wait_event(allocated)
@@ -77,7 +83,7 @@ class CudaCopyEngine:
         ticket = CudaTicket(done, 1)
         # dst is the caller's from now on; only the host source needs keeping alive here.
         self._deferred[1].append((ticket, src, None))
-        return dst, ticket
+        return ticket
 
     def wait(self, ticket: CudaTicket) -> bool:
         compute = self._compute()
