@@ -94,7 +94,10 @@ def pipeline_section() -> list[str]:
     head = "## The claims, per hardware profile"
     if head not in text:
         return out + ["`docs/PIPELINE.md` has no claims section: run `python docs/make_pipeline.py`.\n"]
-    claims = text[text.index(head) + len(head):].strip()
+    claims = text[text.index(head) + len(head):]
+    if "\n## " in claims:                 # the claims end where PIPELINE.md's next section begins
+        claims = claims[:claims.index("\n## ")]
+    claims = claims.strip()
     out.append("From [PIPELINE.md](PIPELINE.md) (settings, per-rank memory and the model behind "
                "`simulate --pp`): ChronosPipe reports a 2.4x larger model at comparable "
                "throughput and 1.5x the throughput of 1F1B with recomputation.\n")
