@@ -218,7 +218,11 @@ frees is weight memory while activations are alive, which is at most two blocks'
 (`WeightStepStats.peak_held_bytes`) plus, early in the step, blocks whose copy-out has not
 finished yet (`StepStats.weight_peak_bytes` counts those too). It needs full backwards
 (1F1B, GPipe, interleaved 1F1B, Chronos; zero-bubble schedules that split weight gradients are
-refused) and no parameter shared between blocks or with the rest of the stage. The simulator
+refused) and no parameter shared between blocks or with the rest of the stage. A weight read
+where no hook on a block's outputs saw its backward begin (an output inside an object the
+offload cannot look into, an auxiliary loss kept on the module) brings its block back first:
+saved tensors that share a parameter's storage are marked at save time and fetched at unpack,
+and a gradient about to accumulate into a released parameter fetches its block. The simulator
 above does not model it.
 """
 

@@ -11,6 +11,7 @@ luck. The CUDA test at the end (skipped without a GPU) checks the stream orderin
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -346,3 +347,60 @@ def test_cuda_stream_ordering_and_memory():
         assert torch.cuda.memory_allocated() <= start - sum(off.block_bytes) + 2**20
     assert torch.cuda.memory_allocated() >= start
     off.close()
+
+
+@dataclasses.dataclass
+class _Hidden:
+    h: torch.Tensor
+
+
+class _OpaqueBlock(nn.Module):
+    """Returns its output inside an object the offload cannot look into, and keeps an auxiliary
+    loss on itself: autograd reaches its weights with no hook on its outputs having fired."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.gate = nn.Linear(D, D)
+        self.aux = None
+
+    def forward(self, x):
+        h = x + torch.tanh(self.fc(x))
+        self.aux = self.gate(h).square().mean()
+        return _Hidden(h)
+
+
+class _OpaqueNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_OpaqueBlock() for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x).h
+        return x.square().mean() + sum(layer.aux for layer in self.layers)
+
+
+@pytest.mark.parametrize("engine", [False, True], ids=["alone", "under-chameleon"])
+def test_weights_read_where_no_output_hook_sees_it_are_fetched_first(engine):
+    """Without the offload's saved-tensor wrapper a saved ``weight.t()`` of a released block is
+    read from a storage of size 0 (an error at best); without the hook on each parameter's
+    gradient, the accumulation meets an emptied parameter. Both fetch the block first."""
+    torch.manual_seed(0)
+    ref = _OpaqueNet()
+    got = copy.deepcopy(ref)
+    x = torch.randn(6, D, generator=torch.Generator().manual_seed(2))
+    want = ref(x)
+    want.backward()
+    off = WeightOffload(list(got.layers), copy=CpuCopyEngine(delay_s=0.0005), model=got)
+    eng = cs.Chameleon(budget=0, device="cpu", min_tensor_bytes=0) if engine else None
+    with (eng.step() if engine else _null()), off.step():
+        loss = got(x)
+        loss.backward()
+    assert torch.equal(want, loss)
+    _assert_same(ref, got, "opaque outputs")
+    assert off.last_step.sync_fetches > 0            # fetched where it was read
+    off.close()
+    off.copy.close()
+    if eng is not None:
+        eng.close()

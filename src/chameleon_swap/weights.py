@@ -25,9 +25,16 @@ weights again. The parameter's ``.data`` is swapped for an empty tensor meanwhil
 reaches it without a fetch fails with a shape error instead of reading freed memory. Nothing is
 rounded or recomputed: gradients are bit-for-bit those without offload.
 
+A backward may also read a block's weights before the gradient of any of the block's outputs is
+ready: through a tensor made inside the block and used outside it (an auxiliary loss kept on the
+module, say). A released storage must never be read (it has no memory: a crash, not an error),
+so during a block's forward the offload wraps the saved-tensor hooks in force (the activation
+engine's, a checkpoint's, or none) with its own: every tensor the block saves is packed by the
+hooks underneath as before, and one that shares a storage with an offloaded parameter is marked
+with its block; when autograd unpacks it, the block is brought back first (``sync_fetches``).
+
 Not supported (refused with an error): parameters shared between blocks, or between a block and
-the rest of ``model``. A backward that reads a block's weights before the gradient of any of the
-block's outputs is ready (a tensor made inside the block and used outside it) is not supported.
+the rest of ``model``.
 """
 from __future__ import annotations
 
@@ -42,6 +49,7 @@ import torch.nn as nn
 from .blocks import _check_disjoint, check_unshared
 from .copy import CopyEngine, make_copy_engine
 from .copy.host_pool import align_up
+from ._eager import is_compiling as _is_compiling
 
 HOST, FETCHING, RESIDENT = "host", "fetching", "resident"
 
@@ -63,7 +71,7 @@ class WeightStepStats:
 
 class _Block:
     __slots__ = ("index", "params", "storages", "host", "nbytes", "state", "out", "inn",
-                 "aliases", "hooked", "expected", "accumulated", "in_forward", "used")
+                 "aliases", "hooked", "expected", "accumulated", "in_forward", "used", "pushed")
 
     def __init__(self, index: int, params: list) -> None:
         self.index = index
@@ -81,6 +89,7 @@ class _Block:
         self.accumulated = 0
         self.in_forward = 0
         self.used = False                 # fetched or run in this step
+        self.pushed: list = []            # saved-tensor hooks pushed by this block's forwards
 
 
 class WeightOffload:
@@ -122,6 +131,7 @@ class WeightOffload:
         self.held_bytes = 0                 # of which: blocks fetched or run in this step
         self.last_step: Optional[WeightStepStats] = None
         self._stats = WeightStepStats()
+        self._owner: dict = {}              # id(storage) -> (storage, its block)
         for b in self._blocks:
             self._layout(b)
             self.resident_bytes += b.nbytes
@@ -129,6 +139,9 @@ class WeightOffload:
         for b, m in zip(self._blocks, blocks):
             self._hooks.append(m.register_forward_pre_hook(self._make_pre(b)))
             self._hooks.append(m.register_forward_hook(self._make_post(b), always_call=True))
+            for p in b.params:
+                if p.requires_grad:
+                    self._hooks.append(p.register_hook(self._make_grad_arrives(b)))
             if b.hooked:
                 for p in b.params:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._make_acc(b)))
@@ -170,6 +183,10 @@ class WeightOffload:
                                      "resized (memory torch does not own): it cannot be released")
                 seen.add(id(s))
                 storages.append(s)
+        for old in b.storages:
+            self._owner.pop(id(old), None)
+        for st in storages:
+            self._owner[id(st)] = (st, b)
         sizes = [s.nbytes() for s in storages]
         if [h.numel() for h in b.host] != sizes:
             b.host = self._host_buffers(sizes)
@@ -359,10 +376,14 @@ class WeightOffload:
                 b.in_forward += 1
                 self._prefetch(b.index + 1)
                 self._sample()
+            if torch.is_grad_enabled():
+                b.pushed.append(self._push_saved_hooks())
         return pre
 
     def _make_post(self, b: _Block):
         def post(module, args, output):
+            if b.pushed:                       # always_call: also after a failed forward
+                b.pushed.pop().__exit__(None, None, None)
             if not self._in_step:
                 return
             with self._lock:
@@ -377,6 +398,31 @@ class WeightOffload:
                     self._release(b)
         return post
 
+    def _push_saved_hooks(self):
+        """Wrap the saved-tensor hooks in force (those underneath pack and unpack everything as
+        before) so that a saved tensor sharing a storage with an offloaded parameter brings its
+        block back when autograd unpacks it, whenever that is."""
+        top = _top_hooks(False) if _top_hooks is not None else None
+        below_pack, below_unpack = top if top is not None else (None, None)
+        owner = self._owner
+
+        def pack(t):
+            found = owner.get(id(t.untyped_storage()))
+            inner = below_pack(t) if below_pack is not None else t
+            return _Saved((found[1] if found is not None else None, inner))
+
+        def unpack(h):
+            b, inner = h
+            if b is not None and b.state != RESIDENT and self._in_step:
+                with self._lock:
+                    self._ensure(b)            # read outside the block's own backward
+                    self._sample()
+            return below_unpack(inner) if below_unpack is not None else inner
+
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        hooks.__enter__()
+        return hooks
+
     def _make_backward(self, b: _Block, step: int):
         def begins(grad):
             # The gradient reached one of the block's outputs: its backward is next.
@@ -390,6 +436,18 @@ class WeightOffload:
                     self._sample()
             return None
         return begins
+
+    def _make_grad_arrives(self, b: _Block):
+        def arrives(grad):
+            # A parameter's gradient is about to accumulate: its block must be whole (the
+            # accumulation reads the parameter's layout), even if no hook on the block's outputs
+            # saw its backward begin (an output the offload cannot look into).
+            if self._in_step and b.state != RESIDENT:
+                with self._lock:
+                    self._ensure(b)
+                    self._sample()
+            return None
+        return arrives
 
     def _make_acc(self, b: _Block):
         def accumulated(p):
@@ -413,7 +471,13 @@ def _bytes(storage) -> torch.Tensor:
         storage, 0, (storage.nbytes(),), (1,))
 
 
-_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
+class _Saved(tuple):
+    """(block or None, what the hooks underneath packed)."""
+
+    __slots__ = ()
+
+
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
 def _in_backward() -> bool:
