@@ -88,6 +88,31 @@ def test_layer_scaling_equals_the_full_trace():
         assert getattr(scaled, field) == getattr(full, field), field
 
 
+def test_layer_scaling_refuses_what_it_cannot_repeat():
+    import copy
+
+    from chameleon_swap.sim.traced import scale_layers
+    rec = hf_trace.trace_hf("llama", seq=16, num_hidden_layers=4, scale=False, use_cache=False,
+                            **TINY)
+    prefix = rec.extra["block_prefix"]
+    assert scale_layers(rec, prefix, 7).extra["layers"] == 7
+    assert scale_layers(rec, prefix, 3) is None                   # fewer layers than traced
+    mid_start = min(t.saved_at for t in rec.tensors if t.module.startswith(f"{prefix}.1."))
+    use_mid = min(t.first_used_at for t in rec.tensors if t.module.startswith(f"{prefix}.1."))
+    broken = []
+    r = copy.deepcopy(rec)                                         # the middle blocks differ
+    next(t for t in r.tensors if t.module.startswith(f"{prefix}.2.")).nbytes += 1
+    broken.append(r)
+    r = copy.deepcopy(rec)                                         # block 0's tensor used by 1
+    next(t for t in r.tensors if t.module.startswith(f"{prefix}.0.")).first_used_at = use_mid
+    broken.append(r)
+    r = copy.deepcopy(rec)                                         # block 1 split in two runs
+    r.segment_module[mid_start + 1] = ""
+    broken.append(r)
+    for r in broken:
+        assert scale_layers(r, prefix, 7) is None
+
+
 def test_cache_hit_on_second_call(monkeypatch):
     first = hf_trace.trace_hf("llama", seq=16, num_hidden_layers=2, **TINY)
     monkeypatch.setattr(hf_trace, "_run", lambda *a: pytest.fail("traced again"))

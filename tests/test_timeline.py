@@ -3,13 +3,16 @@ properties on random ones."""
 from __future__ import annotations
 
 import ast
+import random
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from _timeline_reference import reference_simulate
 from chameleon_swap import timeline
+from chameleon_swap.planner import plan as plan_swaps
 from chameleon_swap.timeline import (Plan, Prediction, Profile, Span, lower_bound, memory_curve,
                                      natural_peak, simulate)
 
@@ -32,8 +35,9 @@ TWO = prof([1.0] * 5, 2, [(100 * MB, 0, 4), (50 * MB, 1, 3)])
 
 
 def test_module_rules_no_torch_in_the_cost_model_or_the_planner():
-    allowed = {"timeline": {"__future__", "heapq", "collections", "dataclasses", "functools",
-                            "itertools", "typing", "numpy", "math", "bisect"},
+    cost_model = {"__future__", "heapq", "collections", "dataclasses", "functools", "itertools",
+                  "typing", "numpy", "math", "bisect", "timeline", "timeline_run"}
+    allowed = {"timeline": cost_model, "timeline_run": cost_model,
                "planner": {"__future__", "bisect", "typing", "timeline", "itertools", "math",
                            "numpy", "heapq", "collections"}}
     src = Path(timeline.__file__).parent
@@ -306,3 +310,102 @@ def test_every_plan_holds_the_budget_when_every_span_can_move(case):
     pr, plan, budget = case
     p = simulate(pr, plan, budget)
     assert p.budget_ok
+
+
+# ------------------------------------------------------------------ split changed no result
+# tests/_timeline_reference.py keeps simulate as it was before it was split into pieces with one
+# concern each; the split must give the same Prediction, curve points and trace, compared with ==
+# (the same float operations in the same order), on timelines that reach every branch: forced
+# saves, budget waits, pending copies back deferred for room or for their copy-out, on-demand
+# fetches with and without room, reserves, zero-time slots, equal sizes (ties in the pending tree).
+def both(pr, plan, budget):
+    """(Prediction, curve, trace) of the split simulate and of the reference."""
+    out = []
+    for fn in (simulate, reference_simulate):
+        curve, trace = [(0.0, 0)], {}
+        out.append((fn(pr, plan, budget, curve=curve, trace=trace), curve, trace))
+    # Without curve or trace the hot path runs other branches: it must agree too.
+    assert simulate(pr, plan, budget) == reference_simulate(pr, plan, budget) == out[0][0]
+    return out
+
+
+@st.composite
+def timelines(draw, max_slots=24, max_spans=30):
+    n_f = draw(st.integers(1, max_slots))
+    n_slots = n_f + draw(st.integers(0, max_slots))
+    # Coarse: sizes, reserves and budgets in whole MB, so that a copy fits its room exactly.
+    coarse = draw(st.booleans())
+    sizes = (st.integers(0, 8).map(lambda k: k * MB) if coarse else
+             st.one_of(st.sampled_from([0, 1, 5 * MB, 10 * MB + 1]), st.integers(0, 10**8)))
+    compute = draw(st.lists(st.one_of(st.just(0.0), st.floats(0.0, 0.5)),
+                            min_size=n_slots, max_size=n_slots))
+    spans = [Span(draw(sizes), draw(st.integers(0, n_f - 1)), draw(st.integers(n_f, n_slots)),
+                  draw(st.booleans() | st.just(True)))
+             for _ in range(draw(st.integers(0, max_spans)))]
+    spans.sort(key=lambda sp: sp.save)                  # stable: a slot's saves stay shuffled
+    reserve = draw(st.one_of(st.just(()), st.lists(st.sampled_from([0, 0, 3 * MB, 20 * MB]),
+                                                   min_size=n_slots, max_size=n_slots)))
+    pr = Profile(tuple(compute), n_f, tuple(spans), draw(st.floats(1e6, 1e10)),
+                 draw(st.floats(1e6, 1e10)), tuple(reserve))
+    idx = st.integers(0, max(len(spans) - 1, 0))
+    move = frozenset(draw(st.sets(idx))) if spans else frozenset()
+    fetch = {j: draw(st.integers(-1, n_slots + 2))      # clamped by simulate; may name spans
+             for j in draw(st.sets(idx)) if spans}     # that do not move
+    total = sum(sp.nbytes for sp in spans) + max(reserve, default=0)
+    in_mb = st.integers(0, total // MB + 1).map(lambda k: k * MB)
+    budget = draw(st.one_of(st.none(), in_mb) if coarse else
+                  st.one_of(st.none(), st.integers(0, 3), st.integers(0, total + 1),
+                            st.floats(0.05, 1.0).map(lambda f: int(f * total))))
+    return pr, Plan(move, fetch), budget
+
+
+@settings(max_examples=600, deadline=None)
+@given(timelines())
+def test_split_simulate_equals_the_pre_split_reference(case):
+    (new, new_curve, new_trace), (old, old_curve, old_trace) = both(*case)
+    assert new == old
+    assert new_curve == old_curve
+    assert new_trace == old_trace
+
+
+def test_split_simulate_equals_the_reference_on_a_seeded_corpus():
+    # Many more cases than hypothesis runs, most in whole MB: copies that fit their room exactly
+    # (the <= against < of every room check) are common there.
+    rng = random.Random(2025)
+    for case in range(3000):
+        n_f = rng.randint(1, 16)
+        n_slots = n_f + rng.randint(0, 16)
+        unit = MB if case % 4 else 1
+        spans = sorted((Span(rng.randint(0, 8) * unit if case % 4 else rng.randint(0, 10**8),
+                             rng.randrange(n_f), rng.randint(n_f, n_slots), rng.random() < 0.9)
+                        for _ in range(rng.randint(0, 24))), key=lambda sp: sp.save)
+        reserve = (tuple(rng.choice((0, 0, 2 * MB, 5 * MB)) for _ in range(n_slots))
+                   if case % 3 == 0 else ())
+        pr = Profile(tuple(rng.choice((0.0, rng.uniform(0, 0.05))) for _ in range(n_slots)),
+                     n_f, tuple(spans), rng.uniform(1e7, 1e10), rng.uniform(1e7, 1e10), reserve)
+        move = {j for j in range(len(spans)) if rng.random() < 0.7}
+        fetch = {j: rng.randint(n_f - 1, n_slots + 1) for j in move if rng.random() < 0.8}
+        total = sum(sp.nbytes for sp in spans) + max(reserve, default=0)
+        budget = None if case % 10 == 0 else rng.randint(0, total // MB + 1) * MB
+        (new, new_curve, new_trace), (old, old_curve, old_trace) = both(pr, Plan(move, fetch),
+                                                                        budget)
+        assert (new, new_curve, new_trace) == (old, old_curve, old_trace), case
+
+
+def test_split_simulate_equals_the_reference_on_planner_plans_of_large_profiles():
+    # The plans the planner makes (fetch slots it chose, on budgets it finds tight) on profiles
+    # built as the profiler lays them out, up to 400 spans.
+    rng = random.Random(7)
+    for n in (20, 60, 150, 400):
+        n_slots = 2 * n + 1
+        spans = tuple(Span(rng.randrange(1, 8) * MB, i, n + 1 + rng.randrange(n) if i % 9 else
+                           n_slots, rng.random() < 0.95) for i in range(n))
+        reserve = tuple(rng.choice((0, 0, 2 * MB)) for _ in range(n_slots)) if n % 2 else ()
+        pr = Profile(tuple(rng.uniform(0.0005, 0.005) for _ in range(n_slots)), n, spans,
+                     rng.uniform(1e9, 2e10), rng.uniform(1e9, 2e10), reserve)
+        for frac in (0.2, 0.5, 0.8):
+            budget = int(frac * natural_peak(pr))
+            for plan in (plan_swaps(pr, budget, max_evals=30),
+                         Plan(frozenset(range(n)), {j: n for j in range(n)})):
+                (new, new_curve, new_trace), (old, old_curve, old_trace) = both(pr, plan, budget)
+                assert (new, new_curve, new_trace) == (old, old_curve, old_trace)

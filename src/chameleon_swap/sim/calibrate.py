@@ -40,8 +40,6 @@ def calibrate(workload: str, *, size: str = "small", steps: int = 8, repeats: in
     pass (``(repeats + 1) * steps`` calls)."""
     import torch
 
-    import chameleon_swap as cs
-    from chameleon_swap.config import DEFAULT_MIN_TENSOR_BYTES
     from chameleon_swap.copy.bandwidth import cached_bandwidth
     from chameleon_swap.workloads import get_workload
 
@@ -59,14 +57,45 @@ def calibrate(workload: str, *, size: str = "small", steps: int = 8, repeats: in
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
-    # Budgets from the largest natural peak of the schedule.
+    natural = _natural_peak(one, batches, dev)
+    budgets = {f: int(natural * f) for f in fractions}
+    measured, refs = _measure(one, batches, dev, budgets, policies, repeats, advance)
+    trace = Trace(steps=[_median_step(r) for r in refs], source="profiler",
+                  meta={"workload": workload, "size": size})
+    bw = cached_bandwidth(dev)
+    link = (bw.d2h_bytes_per_s, bw.h2d_bytes_per_s)
+    train = [i for i, b in enumerate(batches) if b.train and trace.steps[i].n_forward > 0]
+    configs = [("none", None, None)] + [(p, f, budgets[f]) for p in policies for f in fractions]
+    rows = _compare(trace, measured, configs, train, [b.tag for b in batches], link)
+    return {"workload": workload, "size": size, "steps": steps, "repeats": repeats,
+            "device": str(dev), "natural_peak_bytes": natural,
+            "budgets": {str(f): b for f, b in budgets.items()},
+            "link_bytes_per_s": {"d2h": link[0], "h2d": link[1]},
+            "reference_step_s": [statistics.median(x.step_seconds for x in measured["reference"][i])
+                                 for i in train],
+            "rows": rows, "summary": summarize(rows)}
+
+
+def _natural_peak(one: Callable, batches: list, dev) -> int:
+    """The largest natural peak of the schedule (an engine without a budget), which the budgets
+    are fractions of."""
+    import chameleon_swap as cs
+
     with cs.Chameleon(None, device=dev) as probe:
         peaks = []
         for b in batches:
             one(b, probe)
             peaks.append(probe.last_step.peak_resident_bytes)
-    natural = max(peaks)
-    budgets = {f: int(natural * f) for f in fractions}
+    return max(peaks)
+
+
+def _measure(one: Callable, batches: list, dev, budgets: dict, policies, repeats: int,
+             advance: Callable[[], None]) -> tuple[dict, list]:
+    """Every engine run over the schedule ``repeats + 1`` times, side by side in rotating order,
+    the first pass a warm-up. Returns each engine's ``StepStats`` per batch (keys "reference",
+    "none", (policy, fraction)) and the reference's traced steps per batch."""
+    import chameleon_swap as cs
+
     with tempfile.TemporaryDirectory() as tdir:
         engines = {"none": cs.Chameleon(None, device=dev)}
         for p in policies:
@@ -94,13 +123,16 @@ def calibrate(workload: str, *, size: str = "small", steps: int = 8, repeats: in
         finally:
             for e in engines.values():
                 e.close()
-    trace = Trace(steps=[_median_step(r) for r in refs], source="profiler",
-                  meta={"workload": workload, "size": size})
-    bw = cached_bandwidth(dev)
-    link = (bw.d2h_bytes_per_s, bw.h2d_bytes_per_s)
-    train = [i for i, b in enumerate(batches) if b.train and trace.steps[i].n_forward > 0]
+    return measured, refs
+
+
+def _compare(trace: Trace, measured: dict, configs: list, train: list, tags: list,
+             link: tuple) -> list[dict]:
+    """One row per (policy, fraction, budget) in ``configs`` and training step: the median of the
+    measured repeats against the prediction of ``policies.run`` on the reference ``trace``."""
+    from chameleon_swap.config import DEFAULT_MIN_TENSOR_BYTES
+
     rows = []
-    configs = [("none", None, None)] + [(p, f, budgets[f]) for p in policies for f in fractions]
     for p, f, budget in configs:
         name = "none" if p == "none" else (p, f)
         pred = run(trace, p, budget, link=link, min_tensor_bytes=DEFAULT_MIN_TENSOR_BYTES)
@@ -111,20 +143,14 @@ def calibrate(workload: str, *, size: str = "small", steps: int = 8, repeats: in
             m_stall = statistics.median(x.stall_seconds for x in ms)
             m_moved = statistics.median(x.offloaded_bytes for x in ms)
             peak = r.counted_peak_bytes if r.counted_peak_bytes is not None else r.peak_bytes
-            rows.append({"policy": p, "fraction": f, "step": i, "tag": batches[i].tag,
+            rows.append({"policy": p, "fraction": f, "step": i, "tag": tags[i],
                          "measured_step_s": m_step, "predicted_step_s": r.step_seconds,
                          "measured_peak_bytes": m_peak, "predicted_peak_bytes": peak,
                          "measured_stall_s": m_stall, "predicted_stall_s": r.stall_seconds,
                          "measured_moved_bytes": m_moved, "predicted_moved_bytes": r.moved_bytes,
                          "step_error": _err(r.step_seconds, m_step),
                          "peak_error": _err(peak, m_peak)})
-    return {"workload": workload, "size": size, "steps": steps, "repeats": repeats,
-            "device": str(dev), "natural_peak_bytes": natural,
-            "budgets": {str(f): b for f, b in budgets.items()},
-            "link_bytes_per_s": {"d2h": link[0], "h2d": link[1]},
-            "reference_step_s": [statistics.median(x.step_seconds for x in measured["reference"][i])
-                                 for i in train],
-            "rows": rows, "summary": summarize(rows)}
+    return rows
 
 
 def _median_step(steps: list) -> Step:

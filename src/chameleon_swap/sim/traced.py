@@ -141,28 +141,60 @@ def scale_layers(rec: Recording, prefix: str, layers: int) -> Optional[Recording
     recording does not have that structure (blocks interleaved, the two middle ones different,
     or a middle block's tensor first used by another block)."""
     n = rec.extra.get("layers")
-    nf, slots = rec.n_forward, len(rec.segment_ops)
-    fwd = _chunks([_block_of(m, prefix) for m in rec.segment_module[:nf]], n)
-    bwd = _chunks([_block_of(m, prefix) for m in rec.segment_module[nf:]], n)
-    if not n or n < 4 or layers < n or fwd is None or bwd is None:
+    if not n or n < 4 or layers < n:
         return None
-    bwd = [(s + nf, e + nf) for s, e in bwd]
+    blocks = _Blocks.find(rec, prefix, n)
+    if blocks is None or not blocks.repeatable():
+        return None
+    # Traced block -> the blocks it stands for in the scaled step.
+    order = [0] + [1] * (layers - 2) + [n - 1]
+    layout = _Layout(blocks, order)
+    per_block = rec.extra["block_param_bytes"]
+    extra = dict(rec.extra, layers=layers, traced_layers=n)
+    return Recording(segment_ops=layout.ops, segment_module=layout.mods,
+                     n_forward=layout.n_forward, tensors=layout.tensors(),
+                     skipped_bytes=None, param_bytes=rec.param_bytes + (layers - n) * per_block,
+                     grad_bytes=rec.grad_bytes + (layers - n) * per_block,
+                     peak_bytes=None, transient_bytes=rec.transient_bytes, extra=extra)
 
-    def where(slot: int):                 # (block, offset) of a slot, block None outside
-        for b, (s, e) in enumerate(fwd if slot < nf else bwd):
+
+class _Blocks:
+    """Where the ``n`` blocks under ``prefix`` run in a recording: ``fwd[b]`` and ``bwd[b]``, the
+    (start, end) slots of block ``b`` in forward and in backward."""
+
+    def __init__(self, rec: Recording, prefix: str, n: int, fwd: list, bwd: list) -> None:
+        self.rec, self.prefix, self.n, self.fwd, self.bwd = rec, prefix, n, fwd, bwd
+        self.nf, self.slots = rec.n_forward, len(rec.segment_ops)
+
+    @classmethod
+    def find(cls, rec: Recording, prefix: str, n: int) -> Optional["_Blocks"]:
+        """None when a block's slots are not one contiguous run, in forward or in backward."""
+        nf = rec.n_forward
+        fwd = _chunks([_block_of(m, prefix) for m in rec.segment_module[:nf]], n)
+        bwd = _chunks([_block_of(m, prefix) for m in rec.segment_module[nf:]], n)
+        if fwd is None or bwd is None:
+            return None
+        return cls(rec, prefix, n, fwd, [(s + nf, e + nf) for s, e in bwd])
+
+    def where(self, slot: int):
+        """(block, offset) of a slot; block None outside every block."""
+        for b, (s, e) in enumerate(self.fwd if slot < self.nf else self.bwd):
             if s <= slot < e:
                 return b, slot - s
         return None, slot
 
-    def signature(b: int):
-        f, k = fwd[b], bwd[b]
+    def signature(self, b: int):
+        """What block ``b`` runs and saves, with its index renamed to 0; None when a tensor it
+        saves is first used by another block (it cannot be repeated then)."""
+        rec, prefix, (f, k) = self.rec, self.prefix, (self.fwd[b], self.bwd[b])
         ops = [rec.segment_ops[i] for i in range(*f)] + [rec.segment_ops[i] for i in range(*k)]
         mods = [_rename(rec.segment_module[i], prefix, b, 0) for i in list(range(*f)) +
                 list(range(*k))]
         ts = []
         for t in rec.tensors:
             if f[0] <= t.saved_at < f[1]:
-                ub, off = where(t.first_used_at) if t.first_used_at < slots else ("never", 0)
+                ub, off = (self.where(t.first_used_at) if t.first_used_at < self.slots
+                           else ("never", 0))
                 if ub not in (b, None, "never"):
                     return None               # used first by another block: cannot repeat it
                 ts.append((t.nbytes, t.dtype, t.shape, _rename(t.module, prefix, b, 0),
@@ -170,77 +202,83 @@ def scale_layers(rec: Recording, prefix: str, layers: int) -> Optional[Recording
                            ub == b, off if ub is not None else t.first_used_at))
         return ops, mods, ts
 
-    mid = signature(1)
-    if mid is None or any(signature(b) != mid for b in range(2, n - 1)):
-        return None
-    # Traced block -> the blocks it stands for in the scaled step.
-    order = [0] + [1] * (layers - 2) + [n - 1]
-    new_fwd, new_bwd, ops, mods = {}, {}, [], []
+    def repeatable(self) -> bool:
+        """The middle blocks are identical, and no tensor of another block (or outside every
+        block) is first used by a middle one: which of the repeated blocks would use it is
+        unknown."""
+        n = self.n
+        mid = self.signature(1)
+        if mid is None or any(self.signature(b) != mid for b in range(2, n - 1)):
+            return False
+        for t in self.rec.tensors:
+            sb = self.where(t.saved_at)[0]
+            ub = self.where(t.first_used_at)[0] if t.first_used_at < self.slots else None
+            if ub is not None and 0 < ub < n - 1 and sb != ub:
+                return False
+        return True
 
-    def emit(i: int, old: int, new: int) -> None:
-        ops.append(rec.segment_ops[i])
-        mods.append(_rename(rec.segment_module[i], prefix, old, new))
 
-    for i in range(fwd[0][0]):
-        emit(i, -1, -1)
-    for new, old in enumerate(order):
-        new_fwd[new] = len(ops)
-        for i in range(*fwd[old]):
-            emit(i, old, new)
-    for i in range(fwd[-1][1], nf + (bwd[-1][0] - nf)):
-        emit(i, -1, -1)
-    n_forward = len(ops) - (bwd[-1][0] - nf)
-    for new in reversed(range(layers)):
-        old = order[new]
-        new_bwd[new] = len(ops)
-        for i in range(*bwd[old]):
-            emit(i, old, new)
-    for i in range(bwd[0][1], slots):
-        emit(i, -1, -1)
-    total = len(ops)
+class _Layout:
+    """The slots of the scaled step: traced block ``order[new]`` stands for block ``new``; slots
+    outside every block keep their place before the blocks and shift by what the blocks grew
+    after them. ``new_fwd[new]``, ``new_bwd[new]``: where block ``new`` starts."""
 
-    def moved(slot: int, new_block: Optional[int]) -> int:
-        if slot >= slots:
-            return total
-        b, off = where(slot)
+    def __init__(self, blocks: _Blocks, order: list) -> None:
+        self.blocks, self.order = blocks, order
+        rec, fwd, bwd, nf = blocks.rec, blocks.fwd, blocks.bwd, blocks.nf
+        self.new_fwd, self.new_bwd, self.ops, self.mods = {}, {}, [], []
+        for i in range(fwd[0][0]):
+            self._emit(i, -1, -1)
+        for new, old in enumerate(order):
+            self.new_fwd[new] = len(self.ops)
+            for i in range(*fwd[old]):
+                self._emit(i, old, new)
+        for i in range(fwd[-1][1], nf + (bwd[-1][0] - nf)):
+            self._emit(i, -1, -1)
+        self.n_forward = len(self.ops) - (bwd[-1][0] - nf)
+        for new in reversed(range(len(order))):
+            old = order[new]
+            self.new_bwd[new] = len(self.ops)
+            for i in range(*bwd[old]):
+                self._emit(i, old, new)
+        for i in range(bwd[0][1], len(rec.segment_ops)):
+            self._emit(i, -1, -1)
+        self.total = len(self.ops)
+
+    def _emit(self, i: int, old: int, new: int) -> None:
+        rec = self.blocks.rec
+        self.ops.append(rec.segment_ops[i])
+        self.mods.append(_rename(rec.segment_module[i], self.blocks.prefix, old, new))
+
+    def moved(self, slot: int, new_block: Optional[int]) -> int:
+        """Where traced ``slot`` lands, for a tensor of scaled block ``new_block`` (None: outside
+        every block)."""
+        blocks = self.blocks
+        if slot >= blocks.slots:
+            return self.total
+        b, off = blocks.where(slot)
         if b is None:                     # outside blocks: shifted by what the blocks grew
-            if slot < fwd[0][0]:
+            if slot < blocks.fwd[0][0]:
                 return slot
-            return slot + (n_forward - nf if slot < bwd[-1][0] else total - slots)
-        target = new_block if 0 < b < n - 1 else (0 if b == 0 else layers - 1)
-        return (new_fwd if slot < nf else new_bwd)[target] + off
+            return slot + (self.n_forward - blocks.nf if slot < blocks.bwd[-1][0]
+                           else self.total - blocks.slots)
+        target = (new_block if 0 < b < blocks.n - 1
+                  else (0 if b == 0 else len(self.order) - 1))
+        return (self.new_fwd if slot < blocks.nf else self.new_bwd)[target] + off
 
-    # A tensor of the first or last block, or outside blocks, first used by a middle block:
-    # which of the repeated blocks would use it is unknown.
-    for t in rec.tensors:
-        sb = where(t.saved_at)[0]
-        ub = where(t.first_used_at)[0] if t.first_used_at < slots else None
-        if ub is not None and 0 < ub < n - 1 and sb != ub:
-            return None
-
-    tensors = []
-    outside_before = [t for t in rec.tensors if t.saved_at < fwd[0][0]]
-    outside_after = [t for t in rec.tensors if t.saved_at >= fwd[-1][1]]
-    for t in outside_before:
-        tensors.append(_moved_tensor(t, moved(t.saved_at, None), moved(t.first_used_at, None),
-                                     prefix, None, None))
-    for new, old in enumerate(order):
-        for t in rec.tensors:
-            if fwd[old][0] <= t.saved_at < fwd[old][1]:
-                tensors.append(_moved_tensor(t, moved(t.saved_at, new),
-                                             moved(t.first_used_at, new), prefix, old, new))
-    for t in outside_after:
-        tensors.append(_moved_tensor(t, moved(t.saved_at, None), moved(t.first_used_at, None),
-                                     prefix, None, None))
-    for j, t in enumerate(tensors):
-        t.order = j
-    per_block = rec.extra["block_param_bytes"]
-    param_bytes = rec.param_bytes + (layers - n) * per_block
-    extra = dict(rec.extra, layers=layers, traced_layers=n)
-    return Recording(segment_ops=ops, segment_module=mods, n_forward=n_forward, tensors=tensors,
-                     skipped_bytes=None, param_bytes=param_bytes,
-                     grad_bytes=rec.grad_bytes + (layers - n) * per_block,
-                     peak_bytes=None, transient_bytes=rec.transient_bytes, extra=extra)
+    def tensors(self) -> list:
+        """The saved tensors of the scaled step, in save order, renamed and moved."""
+        blocks, moved = self.blocks, self.moved
+        rec, fwd = blocks.rec, blocks.fwd
+        before = [(t, None, None) for t in rec.tensors if t.saved_at < fwd[0][0]]
+        inside = [(t, old, new) for new, old in enumerate(self.order) for t in rec.tensors
+                  if fwd[old][0] <= t.saved_at < fwd[old][1]]
+        after = [(t, None, None) for t in rec.tensors if t.saved_at >= fwd[-1][1]]
+        tensors = [_moved_tensor(t, moved(t.saved_at, new), moved(t.first_used_at, new),
+                                 blocks.prefix, old, new) for t, old, new in before + inside + after]
+        for j, t in enumerate(tensors):
+            t.order = j
+        return tensors
 
 
 def _moved_tensor(t: SavedTensor, saved_at: int, used: int, prefix: str, old, new) -> SavedTensor:
