@@ -47,3 +47,28 @@ def test_hold_rejects_what_is_not_a_byte_count(ex, nbytes, error):
     with pytest.raises(error, match="nbytes must be"):
         ex.hold(nbytes)
     assert ex.resident_bytes == 0
+
+
+def test_a_handle_freed_on_another_thread_never_waits_for_the_lock():
+    """A handle can die on any thread: cyclic garbage is collected by whichever thread allocates
+    next, a copy worker included. While the executor's lock is held (the caller may be waiting
+    for that very worker's copy: a full-suite run hung so, a d2h worker collecting a graph inside
+    its ticket's Event.set) the dying handle must not wait for the lock; its record is released
+    at the next step boundary instead."""
+    import threading
+
+    import chameleon_swap as cs
+
+    with cs.Chameleon(0, device="cpu", min_tensor_bytes=0) as eng:
+        x = torch.randn(64, 64, requires_grad=True)
+        with eng.step():
+            graph = [x.sin().exp().sum()]          # saved tensors, moved to host (budget 0)
+            assert eng._ex.live
+            dropper = threading.Thread(target=graph.clear, name="chameleon-test-dropper")
+            with eng._ex.lock:                     # held, as while waiting for a copy
+                dropper.start()
+                dropper.join(timeout=10)
+                stuck = dropper.is_alive()
+            dropper.join()
+            assert not stuck, "a handle freed on another thread waited for the executor's lock"
+        assert eng.resident_bytes == 0 and eng.records_alive == 0 and eng.host_bytes_in_use == 0

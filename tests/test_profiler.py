@@ -1,6 +1,8 @@
 """The always-on profiler through the engine: signatures, change detection, profiles, cost."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn as nn
@@ -20,13 +22,18 @@ def batch(B, T, seed=0):
     return t[:, :-1], t[:, 1:]
 
 
-def run(eng, model, b, train=True):
+def run(eng, model, b, train=True, walls=None):
+    """One step; ``walls`` (a list) gets the wall time of the whole ``with eng.step()``, which
+    holds every mark and every profiler call (the step's end runs in its exit)."""
+    t0 = time.perf_counter()
     with eng.step():
         if train:
             model(*b).backward()
         else:
             with torch.no_grad():
                 model(*b)
+    if walls is not None:
+        walls.append(time.perf_counter() - t0)
     return eng.last_step
 
 
@@ -38,11 +45,15 @@ def llama():
 def test_identical_steps_never_flag_and_share_a_signature():
     model = llama()
     with cs.Chameleon(None, device="cpu") as eng:
-        stats = [run(eng, model, batch(2, 16)) for _ in range(5)]
+        walls = []
+        stats = [run(eng, model, batch(2, 16), walls=walls) for _ in range(5)]
     assert [s.sequence_changed for s in stats] == [False] * 5
     assert len({s.signature for s in stats}) == 1
     assert all(s.profiler_seconds > 0 for s in stats)
-    assert all(s.profiler_seconds < s.step_seconds for s in stats)
+    # Profiler time is part of the step. Not "< step_seconds": the profile is finished after
+    # step_seconds is read, so a preemption there (a loaded 2-core machine: 3 runs in 38 under
+    # busy loops) put profiler_seconds above it. The step's whole wall time holds it.
+    assert all(s.profiler_seconds < w for s, w in zip(stats, walls))
 
 
 @pytest.mark.parametrize("change", ["length", "micro_batch"])
@@ -97,7 +108,8 @@ def test_no_grad_eval_step_is_not_a_change():
 def test_detailed_profile_has_one_slot_per_save_and_first_use():
     model = llama()
     with cs.Chameleon(10**12, device="cpu", policy="chameleon", min_tensor_bytes=0) as eng:
-        s0 = run(eng, model, batch(2, 16))
+        walls = []
+        s0 = run(eng, model, batch(2, 16), walls=walls)
         prof = eng._profiler.last_profile
     assert s0.profile_mode == "detailed"
     n = prof.n_forward
@@ -107,9 +119,11 @@ def test_detailed_profile_has_one_slot_per_save_and_first_use():
     assert sorted(used) == list(range(n + 1, n + 1 + len(used)))   # one slot per first use
     assert len(used) == n                                           # backward used every record
     assert all(c >= 0 for c in prof.compute)
-    # Timed slots cover the step from its first mark to the profiler's end mark, which is taken
-    # just after step_seconds was read: about the step, never much more.
-    assert 0.5 * s0.step_seconds < sum(prof.compute) <= s0.step_seconds + 0.05
+    # Timed slots cover the step from its first mark (taken before step_seconds starts) to the
+    # profiler's end mark (taken after step_seconds was read): the whole step, and nothing from
+    # outside ``with eng.step()``. (Bounds in measured times only: "+ 50 ms over step_seconds"
+    # fails when a loaded machine preempts the step between its end and the end mark.)
+    assert s0.step_seconds - 1e-6 <= sum(prof.compute) <= walls[0]
 
 
 def test_keys_are_stable_across_iterations_and_tolerate_lengths():

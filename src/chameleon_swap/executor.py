@@ -31,6 +31,9 @@ from .records import (FETCHING, HOST, OFFLOADING, RELEASED, RESIDENT, RESTORED, 
                       _version_error)
 
 
+_MAIN_THREAD = threading.main_thread().ident
+
+
 class Executor:
     def __init__(self, device: torch.device, copy: CopyEngine, pool: HostPool,
                  min_tensor_bytes: int, resident_only: bool = False) -> None:
@@ -390,10 +393,28 @@ class Executor:
 
     # ------------------------------------------------------------------ release
     def _handle_gone(self, rec: Record) -> None:
-        with self.lock:
-            rec.live -= 1
-            if rec.live == 0 and rec.state != RELEASED:
-                self._release(rec)
+        if threading.get_ident() == _MAIN_THREAD:
+            # The only thread a Ctrl-C lands on: ``with`` cannot lose the lock to one.
+            with self.lock:
+                self._drop_handle(rec)
+            return
+        # A handle can die on any thread: cyclic garbage is collected by whichever thread
+        # allocates next, a copy worker or the host arena's reserve thread included. Their
+        # callers wait for them while holding this lock (wait_offload, an acquire waiting for
+        # the reserve), so waiting for the lock here would deadlock. Held elsewhere, the record
+        # is left as it is: settle() releases records whose handles are all gone at the next
+        # step boundary (until then its bytes stay counted, which errs on the budget's side).
+        if not self.lock.acquire(blocking=False):
+            return
+        try:
+            self._drop_handle(rec)
+        finally:
+            self.lock.release()
+
+    def _drop_handle(self, rec: Record) -> None:
+        rec.live -= 1
+        if rec.live == 0 and rec.state != RELEASED:
+            self._release(rec)
 
     def _release(self, rec: Record) -> None:
         self._uncount(rec)
