@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 import chameleon_swap as cs
+from chameleon_swap import interrupts
 from _helpers import assert_bitwise, grads
 from _models import TModel, randn
 
@@ -117,7 +118,9 @@ def test_sigint_at_random_moments_leaks_nothing_and_the_next_step_is_exact(polic
     # this one. Python's own hook prints them and lets go; pytest's keeps the traceback (and with
     # it the dying objects) until the test ends. Let go, as Python does.
     ignored = []
-    monkeypatch.setattr(sys, "unraisablehook", lambda u: ignored.append(u.exc_type))
+    # Only the type and whose finalizer it was: the traceback would keep the dying graph alive.
+    monkeypatch.setattr(sys, "unraisablehook",
+                        lambda u: ignored.append((u.exc_type, interrupts._is_ours(u))))
     c = Case(policy, with_model)
     rng = random.Random(f"sigint-{policy}-{with_model}")
     with c.eng:
@@ -142,11 +145,22 @@ def test_sigint_at_random_moments_leaks_nothing_and_the_next_step_is_exact(polic
                     _spin()
 
             hits += _quiet(interrupted)
+            if interrupts._pending or c.eng._ex.interrupted:
+                # It landed in a release that ran after the step (a graph freed late): the engine
+                # keeps it for the next step's start.
+                with pytest.raises(KeyboardInterrupt):
+                    with c.eng.step():
+                        pass
+                hits += 1
             assert not c.eng._in_step
             c.assert_nothing_left()
             c.clean_step()
             c.assert_nothing_left()
-        assert hits >= 25, f"only {hits} of 75 trials were interrupted: the test lost its teeth"
+        # Every signal is accounted for: raised where it landed (or again, after it landed in
+        # one of the engine's releases), or swallowed by a finalizer that is not the engine's.
+        swallowed = [ours for exc, ours in ignored if exc is KeyboardInterrupt]
+        assert not any(swallowed), "the engine lost a Ctrl-C"
+        assert hits + len(swallowed) == 75, f"{hits} raised + {len(swallowed)} swallowed of 75"
     assert c.eng.host_bytes_reserved == 0
 
 
