@@ -10,7 +10,10 @@ every repetition):
 * ``1f1b+recompute``: the same with every block under ``torch.utils.checkpoint`` (full recompute);
 * ``1f1b+engine``: a ``PipelineChameleon`` on every rank, budget ``--fraction`` of the largest
   rank's natural 1F1B peak, the same budget on every rank;
-* ``chronos+engine``: ``ScheduleChronos`` (two stages per rank in a V) with the same budget.
+* ``chronos+engine``: ``ScheduleChronos`` (two stages per rank in a V) with the same budget;
+* ``1f1b+engine+weights``: ``1f1b+engine`` with ``offload_weights=True`` (each block's weights on
+  the host between its uses inside the step; on its own copy of the stage, so the other modes
+  never run its hooks); its rows also report the most weight bytes resident during a step.
 
 Peaks are the engine's count of saved-activation bytes resident (for the modes without a budget,
 one extra untimed step with an unbudgeted engine counts them); each repetition checks that every
@@ -43,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
-MODES = ("1f1b", "1f1b+recompute", "1f1b+engine", "chronos+engine")
+MODES = ("1f1b", "1f1b+recompute", "1f1b+engine", "chronos+engine", "1f1b+engine+weights")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -58,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     a = p.parse_args(argv)
     size = dict(dim=64, layers=4, seq=64, micro=2, reps=2) if a.quick else \
-        dict(dim=256, layers=4, seq=256, micro=2, reps=5)
+        dict(dim=256, layers=8, seq=256, micro=2, reps=5)
     a.size = size
     a.reps = a.reps if a.reps is not None else size["reps"]
     a.micro_batches = a.micro_batches or 2 * a.world
@@ -113,6 +116,7 @@ def _child(rank: int, a, port: int, out_dir: str) -> None:
         model, parts, vparts, x, y = _setup(a, rank)
         import copy
         rec_part = _checkpointed(copy.deepcopy(parts[rank]))
+        w_part = copy.deepcopy(parts[rank])
         cpu = torch.device("cpu")
         M, W = a.micro_batches, a.world
         scheds = {
@@ -123,12 +127,15 @@ def _child(rank: int, a, port: int, out_dir: str) -> None:
                                         for i in chronos_stage_indices(rank, W)], M,
                                        loss_fn=llama_loss),
         }
+        scheds["1f1b+engine+weights"] = Schedule1F1B(PipelineStage(w_part, rank, W, cpu), M,
+                                                      loss_fn=llama_loss)
         scheds["1f1b+engine"] = scheds["1f1b"]
         scheds["chronos+engine"] = scheds["chronos"]
 
         def step(mode, eng=None):
             model.zero_grad(set_to_none=True)
             rec_part.zero_grad(set_to_none=True)
+            w_part.zero_grad(set_to_none=True)
             losses: list = []
             args = [x] if rank == 0 else []
             sched = scheds[mode]
@@ -153,8 +160,10 @@ def _child(rank: int, a, port: int, out_dir: str) -> None:
         peaks = [None] * W
         dist.all_gather_object(peaks, natural["1f1b"])
         budget = int(max(peaks) * a.fraction)
-        engines = {m: PipelineChameleon(scheds[m], budget, device="cpu", min_tensor_bytes=0)
-                   for m in ("1f1b+engine", "chronos+engine")}
+        engines = {m: PipelineChameleon(scheds[m], budget, device="cpu", min_tensor_bytes=0,
+                                        offload_weights=m.endswith("+weights"))
+                   for m in ("1f1b+engine", "chronos+engine", "1f1b+engine+weights")}
+        weight_bytes = sum(p.numel() * p.element_size() for p in w_part.parameters())
         times = {m: [] for m in MODES}
         stats = {m: [] for m in engines}
         same = True
@@ -169,7 +178,10 @@ def _child(rank: int, a, port: int, out_dir: str) -> None:
                 if rep >= a.warmup:
                     times[m].append(dt)
                     if m in engines:
-                        stats[m].append(engines[m].last_step.as_dict())
+                        st = engines[m].last_step.as_dict()
+                        offs = engines[m].weight_offloads.values()
+                        st["weight_held_bytes"] = sum(o.last_step.peak_held_bytes for o in offs)
+                        stats[m].append(st)
             # The loss lives on the rank of the last stage: rank W-1 under 1F1B, rank 0 in the V.
             held = {}
             for m in MODES:
@@ -183,7 +195,8 @@ def _child(rank: int, a, port: int, out_dir: str) -> None:
             timelines[m] = eng.timeline
             eng.close()
         out = {"rank": rank, "budget": budget, "natural": natural, "times": times,
-               "stats": stats, "losses_equal": same, "timelines": timelines}
+               "stats": stats, "losses_equal": same, "timelines": timelines,
+               "weight_bytes": weight_bytes}
     except Exception:
         out = {"rank": rank, "error": traceback.format_exc()}
     finally:
@@ -240,8 +253,13 @@ def markdown(a, ranks: list, sim: dict) -> str:
         for r in ranks:
             peak = (max(s["peak_resident_bytes"] for s in r["stats"][m]) if m in r["stats"]
                     else r["natural"][m])
+            weights = r["weight_bytes"] / 2**20
+            wpeak = wheld = weights
+            if m.endswith("+weights"):
+                wpeak = max(s["weight_peak_bytes"] for s in r["stats"][m]) / 2**20
+                wheld = max(s["weight_held_bytes"] for s in r["stats"][m]) / 2**20
             rows.append([m if r["rank"] == 0 else "", r["rank"], peak / 2**20,
-                         r["budget"] / 2**20 if m in r["stats"] else "-",
+                         r["budget"] / 2**20 if m in r["stats"] else "-", wpeak, wheld,
                          C.median(r["times"][m]) * 1e3,
                          C.median(r["times"][m]) / C.median(r["times"]["1f1b"])])
     text = (f"# pipeline on {ranks[0]['device_name']}\n\n{a.world} ranks (gloo), "
@@ -250,8 +268,16 @@ def markdown(a, ranks: list, sim: dict) -> str:
             f"repetitions; load average {ranks[0]['load']:.1f} at the end; losses identical in "
             f"every mode: "
             f"{'yes' if all(r['losses_equal'] for r in ranks) else 'NO'}\n\n")
-    text += C.markdown_table(["mode", "rank", "peak MiB", "budget MiB", "step ms", "vs 1f1b"],
-                             rows)
+    text += C.markdown_table(["mode", "rank", "peak MiB", "budget MiB", "weights MiB",
+                              "weights held MiB", "step ms", "vs 1f1b"], rows)
+    text += ("\n\"weights MiB\": the stage's parameters, all on the device without offload; "
+             "with `+weights`, the most block weight bytes resident at once during the step "
+             "(`StepStats.weight_peak_bytes`: at the step's start, blocks whose copy-out is still "
+             "running are counted, while activations are still few). \"weights held MiB\": of "
+             "those, the blocks fetched or run in the step (`peak_held_bytes`, at most two blocks "
+             "per stage), which is what sits beside the activations later in the step; the "
+             "non-block parameters (embedding, head) stay on the device and are not counted "
+             "with `+weights`.\n")
     text += f"\n## Simulated at scale\n\n{sim['settings']}\n\n"
     srows = [[k, v["step_seconds"], f"{v['bubble']:.1%}",
               " / ".join(f"{b / 2**30:.1f}" for b in v["activation_peak_bytes"]),
