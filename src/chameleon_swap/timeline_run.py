@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import TYPE_CHECKING, Optional
-
-if TYPE_CHECKING:
-    from .timeline import Plan, Profile
+from typing import Optional
 
 INF = float("inf")
 
@@ -33,13 +30,14 @@ _DEV, _OUT, _HOST, _BACK, _LOOSE = 0, 1, 2, 3, 4
 class Run:
     """One simulation's state: what the plan asks (``move``, ``fslot``: the copy-back slot of each
     moved span backward needs), each span's state, the D2H queue, the clock and the counters the
-    forward phase hands to the backward phase, the trace."""
+    forward phase hands to the backward phase, the trace. ``profile`` and ``plan`` are
+    ``timeline.Profile`` and ``timeline.Plan`` (not imported: ``timeline`` imports this module)."""
     __slots__ = ("profile", "budget_cap", "reserve", "move", "fslot", "state", "out_done", "arrive",
                  "outq", "curve", "tracing", "slot_start", "save_stall", "forced", "use_stall",
                  "t", "res", "peak", "r", "inflight", "stall", "fstall", "moved", "forced_n",
                  "fetched")
 
-    def __init__(self, profile: Profile, plan: Plan, budget: Optional[int],
+    def __init__(self, profile, plan, budget: Optional[int],
                  curve: Optional[list], tracing: bool) -> None:
         _, _, nbytes, movable, use = profile._index
         n, n_slots, n_f = len(nbytes), len(profile.compute), profile.n_forward
