@@ -8,7 +8,8 @@ import heapq
 from collections import deque
 from typing import Optional
 
-from chameleon_swap.timeline import INF, Plan, Prediction, Profile, lower_bound
+from chameleon_swap.timeline import Plan, Prediction, Profile, lower_bound
+from chameleon_swap.timeline_run import INF
 
 
 # Span states inside one simulation.

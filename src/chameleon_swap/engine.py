@@ -343,8 +343,7 @@ class Chameleon:
         """A Ctrl-C that landed in a saved tensor's release (inside ``__del__``, where Python
         would swallow it: caught there, or escaped to ``interrupts``' hook) is raised here, once
         the step is whole again."""
-        caught, self._ex.interrupted = self._ex.interrupted, False
-        if interrupts.take_pending() or caught:
+        if interrupts.take_pending():
             raise KeyboardInterrupt("interrupted while chameleon-swap released a saved tensor")
 
     def _refuse_step(self, owner) -> None:

@@ -63,7 +63,6 @@ class Executor:
         self._next_hold = 0
         self._earlier: set = set()               # records alive when this step began
         self._settled_moves = 0                  # self.moves at the last settle()
-        self.interrupted = False                 # a Ctrl-C was swallowed by a Handle.__del__
         self.recount = False                     # one escaped a release: recount at settle()
         self.recount_lean = None                 # resident.py's recount of its handle-less records
         interrupts.watch(self)

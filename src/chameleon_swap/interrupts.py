@@ -4,7 +4,7 @@ Python raises ``KeyboardInterrupt`` between any two bytecodes, the first one of 
 included, before any ``try`` inside it can catch anything. Whatever escapes a ``__del__`` goes to
 ``sys.unraisablehook`` ("Exception ignored in ...") and is otherwise dropped: the user's Ctrl-C
 would be lost and the release left undone. ``Handle.__del__`` catches the interrupt itself once
-its ``try`` has begun; for what escapes (its first instruction, or any instruction of the lean
+its ``try`` has begun (``caught``); for what escapes (its first instruction, or any instruction of the lean
 path's ``_Saved.__del__``) this module chains a hook in front of ``sys.unraisablehook``. The hook
 recognises the engine's finalizers (``@finalizer``), keeps the interrupt pending for the engine to
 raise again at the step boundary (``take_pending``), and asks every live executor to recount its
@@ -57,9 +57,15 @@ def _is_ours(u) -> bool:
     return getattr(fn, "__code__", None) in _FINALIZERS
 
 
-def _escaped() -> None:
+def caught() -> None:
+    """A release caught an interrupt itself (its books are repaired by ``settle()``): keep it
+    pending for the engine to raise, as one that escaped."""
     global _pending
     _pending = True
+
+
+def _escaped() -> None:
+    caught()
     for ex in list(_executors):
         ex.recount = True
 

@@ -16,6 +16,7 @@ import torch
 
 from .copy.host_pool import HostBuffer
 from ._eager import is_compiling as _is_compiling
+from . import interrupts
 from .interrupts import finalizer
 
 
@@ -134,7 +135,7 @@ class Handle:
                 # the engine's counters), and the engine raises the interrupt again at the end
                 # of the step (or the start of the next), outside any __del__. One landing
                 # before this try is caught by interrupts.py's unraisable hook instead.
-                self.ex.interrupted = True
+                interrupts.caught()
             except Exception:  # interpreter shutdown: nothing left to account for
                 pass
 

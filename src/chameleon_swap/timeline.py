@@ -65,7 +65,7 @@ from functools import cached_property
 from itertools import accumulate
 from typing import Mapping, Optional
 
-from .timeline_run import INF, CopiesBack, Run, backward, forward
+from .timeline_run import CopiesBack, Run, backward, forward
 
 
 @dataclass(frozen=True)
