@@ -72,3 +72,7 @@ frame_callback = _callback if _callback is not None else (lambda: None)
 # True while torch.compile traces: the engine's module hooks step aside then (no graph breaks);
 # a compiled region's saved tensors still go through the pack/unpack hooks, which run eagerly.
 is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
+
+# The saved-tensor hooks in force on this thread (``top_saved_hooks(False)``: (pack, unpack) or
+# None); None on a torch without the entry point.
+top_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)

@@ -22,7 +22,7 @@ from .config import (DEFAULT_HISTORY_SIZE, DEFAULT_MIN_TENSOR_BYTES, EngineConfi
                      format_bytes, trace_dir_path)
 from .copy import make_copy_engine
 from .copy.bandwidth import cached_bandwidth, resolve_device
-from ._eager import eager
+from ._eager import eager, top_saved_hooks as _top_hooks
 from .copy.host_pool import HostPool
 from .executor import Executor
 from .history import StepHistory, StepStats, StepTotals
@@ -389,4 +389,3 @@ def _keep(b: int) -> str:
 
 
 _OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
-_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)

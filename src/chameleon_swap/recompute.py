@@ -42,6 +42,7 @@ from . import selective
 from .blocks import find_blocks
 from .profiler import _CpuClock
 from ._eager import is_compiling as _is_compiling
+from ._eager import top_saved_hooks as _top_hooks
 
 MODES = ("keep", "selective", "full")
 __all__ = ["MODES", "BlockCall", "BlockRunner", "find_blocks"]
@@ -50,7 +51,6 @@ __all__ = ["MODES", "BlockCall", "BlockRunner", "find_blocks"]
 # the cache twice, so those calls run keep.
 _CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
 
-_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
 # --------------------------------------------------------------------------- what ran

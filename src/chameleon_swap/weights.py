@@ -50,6 +50,7 @@ from .blocks import _check_disjoint, check_unshared
 from .copy import CopyEngine, make_copy_engine
 from .copy.host_pool import align_up
 from ._eager import is_compiling as _is_compiling
+from ._eager import top_saved_hooks as _top_hooks
 
 HOST, FETCHING, RESIDENT = "host", "fetching", "resident"
 
@@ -477,7 +478,6 @@ class _Saved(tuple):
     __slots__ = ()
 
 
-_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
 def _in_backward() -> bool:
