@@ -39,8 +39,8 @@ import _common as C  # noqa: E402
 
 import chameleon_swap as cs  # noqa: E402
 from chameleon_swap.config import DEFAULT_MIN_TENSOR_BYTES  # noqa: E402
-from chameleon_swap.planner import plan as make_plan  # noqa: E402
-from chameleon_swap.timeline import Plan, simulate  # noqa: E402
+from chameleon_swap.planning.swaps import plan as make_plan  # noqa: E402
+from chameleon_swap.planning.timeline import Plan, simulate  # noqa: E402
 from chameleon_swap.workloads import Llama, LlamaConfig, MoE, MoEConfig  # noqa: E402
 
 POLICIES = ("guard", "static", "chameleon")

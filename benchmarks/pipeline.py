@@ -106,7 +106,7 @@ def _child(rank: int, a, port: int, out_dir: str) -> None:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    from chameleon_swap.pipeline import PipelineChameleon, ScheduleChronos, chronos_stage_indices
+    from chameleon_swap.parallel.pipeline import PipelineChameleon, ScheduleChronos, chronos_stage_indices
     from chameleon_swap.workloads.pipeline import llama_loss
     # The ranks share the machine's cores: one compute thread each unless there are more cores.
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // (2 * a.world)))

@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from chameleon_swap.bench.env import cpu_name, git_commit  # torch-free
-from chameleon_swap.planner import (DEFAULT_MAX_EVALS, DEFAULT_MAX_PASSES, DEFAULT_MIN_EVALS,
+from chameleon_swap.planning.swaps import (DEFAULT_MAX_EVALS, DEFAULT_MAX_PASSES, DEFAULT_MIN_EVALS,
                                     DEFAULT_WORK, plan)
-from chameleon_swap.timeline import Plan, Profile, Span, natural_peak, simulate
+from chameleon_swap.planning.timeline import Plan, Profile, Span, simulate, unmoved_peak
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     for i in range(a.instances):
         n = rng.randint(3, 5)
         pr = random_profile(rng, n)
-        nat = natural_peak(pr)
+        nat = unmoved_peak(pr)
         budget = rng.randint(max(sp.nbytes for sp in pr.spans), nat - 1)
         t1 = time.perf_counter()
         p = plan(pr, budget)
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     big, t0 = [], time.perf_counter()
     for i in range(a.big):
         pr = random_profile(rng, 300)
-        nat = natural_peak(pr)
+        nat = unmoved_peak(pr)
         frac = rng.uniform(0.2, 0.6)
         budget = int(nat * frac)
         t1 = time.perf_counter()
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
                     "moved": len(p.move), "stall_s": p.predicted.stall_seconds,
                     "total_s": p.predicted.total_seconds,
                     "compute_s": float(sum(pr.compute)),
-                    "lower_bound_s": p.predicted.lower_bound_seconds,
+                    "lower_bound_s": p.predicted.swap_only_bound_seconds,
                     "no_plan_total_s": empty.total_seconds,
                     "budget_ok": p.predicted.budget_ok})
         progress(i + 1, a.big, "plan() on 300 spans", t0)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 import chameleon_swap as cs  # noqa: E402
-from chameleon_swap.executor import Record  # noqa: E402
+from chameleon_swap.runtime.executor import Record  # noqa: E402
 from chameleon_swap.workloads import get_workload  # noqa: E402
 
 

@@ -1,5 +1,5 @@
 """The cost model's ``simulate`` as it was before it was split into one concern per piece, kept
-only to prove the split changed no result: tests/test_timeline.py runs both on random profiles
+only to prove the split changed no result: tests/planning/test_timeline.py runs both on random profiles
 and compares them with ``==``. Not part of the package; do not import it from anywhere else, and
 do not edit it (it is the frozen reference)."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import heapq
 from collections import deque
 from typing import Optional
 
-from chameleon_swap.timeline import Plan, Prediction, Profile, lower_bound
-from chameleon_swap.timeline_run import INF
+from chameleon_swap.planning.timeline import Plan, Prediction, Profile, swap_only_bound
+from chameleon_swap.planning.timeline_run import INF
 
 
 # Span states inside one simulation.
@@ -311,7 +311,7 @@ def reference_simulate(profile: Profile, plan: Plan, budget: Optional[int], *,
                      slot_start=slot_start, deferred=deferred)
     total = float(sum(compute)) + stall
     return Prediction(peak_bytes=peak, stall_seconds=stall, total_seconds=total,
-                      lower_bound_seconds=lower_bound(profile, fetched),
+                      swap_only_bound_seconds=swap_only_bound(profile, fetched),
                       budget_ok=budget is None or peak <= budget,
                       forward_stall_seconds=fstall, moved_bytes=moved, fetched_bytes=fetched,
                       forced_offloads=forced_n, sync_fetches=sync_n, overflow_bytes=overflow)

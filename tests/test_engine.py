@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import chameleon_swap as cs
-from chameleon_swap import step_end
+from chameleon_swap.runtime import step_end
 
 from _helpers import assert_bitwise, compare, grads, natural_peak, train_step
 from _models import (SPEC_BLOCKS, FunctionalModel, ViewsModel, lm_batches, randn, random_model,

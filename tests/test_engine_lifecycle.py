@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 import chameleon_swap as cs
-from chameleon_swap import interrupts
+from chameleon_swap.runtime import interrupts
 from _helpers import assert_bitwise, grads
 from _models import TModel, randn
 

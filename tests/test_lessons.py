@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import chameleon_swap as cs
 from chameleon_swap.copy.bandwidth import measure_bandwidth
 from chameleon_swap.copy.cpu import CpuCopyEngine
-from chameleon_swap.executor import HOST, OFFLOADING, RESIDENT
+from chameleon_swap.runtime.executor import HOST, OFFLOADING, RESIDENT
 from chameleon_swap.policy import POLICIES
 from chameleon_swap.workloads import Llama, LlamaConfig, MoE, MoEConfig
 
@@ -241,7 +241,7 @@ def test_lesson_03_copy_out_is_ordered_after_the_ready_marker_recorded_at_save()
     collectives), giving a worse loss (torchtune #2683). The copy stream waits on an event
     recorded at save time; test under DDP and FSDP2."
 
-    DDP and FSDP2 (real gloo collectives, slowed copies) are tested in tests/test_distributed.py;
+    DDP and FSDP2 (real gloo collectives, slowed copies) are tested in tests/parallel/test_distributed.py;
     the CUDA stream wait itself in the CUDA test file. Here, the CPU part of the contract: each
     storage's "bytes are final" marker is taken once, when it is saved, and the copy out of that
     storage is handed exactly that marker (not None, not another record's, not a fresh one)."""

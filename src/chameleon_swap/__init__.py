@@ -11,7 +11,7 @@ from .config import format_bytes, parse_size
 
 # Imported on first use (PEP 562): torch takes seconds to import, and the command line's
 # --version, --help and usage errors, which never need it, should answer at once.
-_LAZY = {"Chameleon": ".engine", "StepStats": ".history", "HostMemoryError": ".copy.host_pool"}
+_LAZY = {"Chameleon": ".engine", "StepStats": ".runtime.stats", "HostMemoryError": ".copy.host_pool"}
 
 __all__ = ["Chameleon", "StepStats", "HostMemoryError", "parse_size", "format_bytes", "__version__"]
 

@@ -1,6 +1,6 @@
-"""``Chameleon``: the user's object. Configuration, ``step()`` and wiring (``StepStats``, history and
-totals live in ``history.py``; the end of a step, which builds them, in ``step_end.py``; the global
-module hooks in ``module_hooks.py``).
+"""``Chameleon``: the user's object. Configuration, ``step()`` and wiring (``StepStats``, history
+and totals live in ``runtime/stats.py``; the end of a step, which builds them, in
+``runtime/step_end.py``; the global module hooks in ``runtime/module_hooks.py``).
 
 No policy logic lives here: the engine builds a copy engine, a host arena, an executor and a policy,
 installs the hooks for the duration of a step, and turns the executor's counters into a
@@ -17,19 +17,19 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-from . import interrupts, module_hooks
+from .runtime import interrupts, module_hooks
 from .config import (DEFAULT_HISTORY_SIZE, DEFAULT_MIN_TENSOR_BYTES, EngineConfig, SizeLike,
                      format_bytes, trace_dir_path)
 from .copy import make_copy_engine
 from .copy.bandwidth import cached_bandwidth, resolve_device
-from ._eager import eager, top_saved_hooks as _top_hooks
+from .runtime._eager import eager, top_saved_hooks as _top_hooks
 from .copy.host_pool import HostPool
-from .executor import Executor
-from .history import StepHistory, StepStats, StepTotals
+from .runtime.executor import Executor
+from .runtime.stats import StepHistory, StepStats, StepTotals
 from .policy import make_policy
 from .policy.memory import DeviceMemoryBudget
-from .profiler import Profiler
-from .step_end import finish_step
+from .runtime.profiler import Profiler
+from .runtime.step_end import finish_step
 
 
 class Chameleon:
@@ -148,7 +148,7 @@ class Chameleon:
         self._hooks = module_hooks.register(self, self._resident_only)
         weakref.finalize(self, module_hooks.remove, list(self._hooks))
         if self._resident_only:
-            from .resident import resident_hooks
+            from .runtime.resident import resident_hooks
             self._ex.pack, self._ex.unpack = resident_hooks(self._ex)
         self._saved_hooks: tuple = ()             # (pack, unpack, their eager wrappers)
         self.history: StepHistory = StepHistory(self.config.history_size)
@@ -173,7 +173,7 @@ class Chameleon:
     @property
     def policy_object(self):
         """The policy instance this engine runs: for integrations that feed it what only they
-        know (``chameleon_swap.pipeline`` tells the ``"schedule"`` policy when each backward
+        know (``chameleon_swap.parallel.pipeline`` tells the ``"schedule"`` policy when each backward
         comes)."""
         return self._policy
 
@@ -236,7 +236,7 @@ class Chameleon:
         stay swap-only, but a bad ``blocks=`` is still an error for them)."""
         if model is None:
             return None
-        from .recompute import BlockRunner, find_blocks
+        from .recompute.runner import BlockRunner, find_blocks
         if not getattr(self._policy, "recomputes", False):
             find_blocks(model, blocks)
             return None

@@ -5,4 +5,7 @@
 * ``harness.py``: runs them on a workload's schedule and makes one record per run;
 * ``meter.py``: device memory of a step on any device, CPU included;
 * ``report.py``: markdown tables and figures; ``sweep.py`` and ``demo.py``: the commands' work.
+
+May import: ``engine.py`` (the object it benchmarks), ``config``, ``copy/``, ``workloads/``.
+Imported by: ``cli.py`` and ``sim/``.
 """

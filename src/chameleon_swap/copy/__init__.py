@@ -23,6 +23,9 @@ CUDA and ordering bugs show in the CPU tests:
     once ``ticket`` has completed, drop ``keep`` (a device tensor that must outlive the copy) and
     call ``fn``, from a later ``poll()`` on the caller's thread.
 ``poll()``, ``synchronize()``, ``take_stall_seconds()``
+
+May import: ``config`` only. It moves bytes and knows nothing of tensors' meaning.
+Imported by: ``runtime/`` (the executor), ``engine.py``, ``parallel/`` and the tools.
 """
 from __future__ import annotations
 

@@ -7,4 +7,7 @@
 
 Each submodule imports its framework when it is imported itself, never before: ``import
 chameleon_swap`` (and this package) stay free of transformers and lightning.
+
+May import: the public ``chameleon_swap`` package only (what a user's own code would import).
+Imported by: users' training scripts; nothing in the package.
 """

@@ -4,11 +4,19 @@ Every policy implements ``begin_step``, ``make_room(rec)`` (forward: room for a 
 ``after_save(rec)``, ``on_first_use(rec)``, ``on_unpack(rec)``, ``on_backward_trigger()``,
 ``make_room_backward(rec)``, ``wants_detail()``, ``end_step(profile)`` and ``report()``.
 The guard is the safety net under the others.
+
+Owns the per-step decisions: which record moves, when it comes back, and whether a block is kept,
+swapped or recomputed (``guard.py``, ``chameleon.py`` with ``StaticPolicy``, ``schedule.py``,
+``block_modes.py``, the memory cap in ``memory.py``).
+
+May import: ``config``, ``runtime/`` (the executor it drives, the profile it reads), ``planning/``
+(the searches it asks) and ``copy/``. Never ``engine.py``.
+Imported by: ``engine.py`` and ``parallel/``.
 """
 from __future__ import annotations
 
 from .guard import GuardPolicy
-from .planned import ChameleonPolicy, StaticPolicy
+from .chameleon import ChameleonPolicy, StaticPolicy
 from .schedule import ScheduleGuardPolicy
 
 POLICIES = {"guard": GuardPolicy, "chameleon": ChameleonPolicy, "static": StaticPolicy,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from ..executor import HOST, OFFLOADING, RESIDENT, RESTORED, Executor, Record
+from ..runtime.executor import HOST, OFFLOADING, RESIDENT, RESTORED, Executor, Record
 
 
 class GuardPolicy:

@@ -13,7 +13,7 @@ micro-batch) -> position of its backward), and within one micro-batch by reverse
   backwards will need them, as far ahead as the budget allows, so copies start while the rank is
   still busy with other micro-batches (or waiting for a gradient from the next stage).
 
-The owner (``chameleon_swap.pipeline``) sets ``positions`` once and ``current`` before each
+The owner (``chameleon_swap.parallel.pipeline``) sets ``positions`` once and ``current`` before each
 action. Tensors saved with no ``current`` rank as needed last, in reverse save order: with no
 schedule at all this is exactly the guard. The budget and correctness come from the executor and
 the guard's mechanism, unchanged.
@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Optional
 
-from ..executor import RESIDENT, Record
+from ..runtime.executor import RESIDENT, Record
 from .guard import GuardPolicy
 
 FAR = 1 << 30      # position of a backward the schedule does not name: after every named one

@@ -12,13 +12,17 @@
   compare | trace`` run.
 
 Nothing here imports torch except recording a trace from a real run or tracing a model.
+
+May import: anything below the engine (``config``, ``copy/``, ``planning/``, ``runtime/``'s trace
+format, ``parallel/``'s schedules) and ``bench/``/``workloads/`` to trace real models.
+Imported by: ``cli.py`` only.
 """
 from .analytic import generate
 from .hardware import Hardware, builtin_names
 from .hardware import load as load_hardware
 from .models import PRESETS, ModelConfig, preset
 from .policies import POLICIES, Result, run
-from ..trace import FORMAT, VERSION, Step, Tensor, Trace, load, save
+from ..runtime.trace import FORMAT, VERSION, Step, Tensor, Trace, load, save
 
 __all__ = ["generate", "Hardware", "builtin_names", "load_hardware", "PRESETS", "ModelConfig",
            "preset", "POLICIES", "Result", "run", "FORMAT", "VERSION", "Step", "Tensor", "Trace",

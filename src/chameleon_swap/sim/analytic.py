@@ -28,7 +28,7 @@ from typing import Optional
 
 from .hardware import Hardware
 from .models import ModelConfig
-from ..trace import Step, Tensor, Trace
+from ..runtime.trace import Step, Tensor, Trace
 
 
 class _Builder:

@@ -27,7 +27,7 @@ import tempfile
 from typing import Callable, Optional
 
 from .policies import run
-from ..trace import Step, Trace, load
+from ..runtime.trace import Step, Trace, load
 
 POLICIES = ("guard", "static", "chameleon")
 FRACTIONS = (0.5, 0.25)

@@ -7,79 +7,18 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Optional
 
 from ..config import format_bytes, parse_size
 from . import hf_commands, pipeline_cli, report, sweeps
 from .analytic import generate
-from .hardware import builtin_names
-from .hardware import load as load_hardware
+from .cli_args import (DEFAULT_POLICIES, add_model_args, hardware_arg, hw_line, model_config,
+                       policies_arg)
 from .hf_commands import traced_model
-from .models import PRESETS, ModelConfig, family, preset, resolve
-from .policies import POLICIES, TP_RE, check_policy, lower_bound, run
-from ..trace import load as load_trace
-from ..trace import save as save_trace
+from .models import ModelConfig, family, preset
+from .policies import POLICIES, TP_RE, run, swap_only_bound
+from ..runtime.trace import load as load_trace
+from ..runtime.trace import save as save_trace
 
-DEFAULT_POLICIES = (*POLICIES, "tp2")
-DEFAULT_MODEL = "llama-7b"
-
-
-# ------------------------------------------------------------------------------ shared arguments
-def _add_model_args(p: argparse.ArgumentParser, model_required: bool = False) -> None:
-    p.add_argument("--model", required=model_required, default=None, metavar="NAME|FILE",
-                   help=f"a preset ({', '.join(PRESETS)}) or a JSON file of ModelConfig fields "
-                        f"(layers, hidden, heads, kv_heads, ffn, vocab, experts, top_k, ...)")
-    p.add_argument("--hf", default=None, metavar="CONFIG.json|MODEL_TYPE",
-                   help="a Hugging Face causal LM (a config.json or a transformers model_type), "
-                        "its saved bytes traced from its code on fake tensors instead of the "
-                        "formula of --model (cached under $CHAMELEON_SWAP_CACHE, else "
-                        "$XDG_CACHE_HOME/chameleon-swap or ~/.cache/chameleon-swap)")
-    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"),
-                   help="--hf model states: sgd keeps weights and gradients, adamw also two "
-                        "moments (default adamw)")
-    p.add_argument("--hardware", required=False, default=None, metavar="NAME|FILE",
-                   help=f"a built-in profile ({', '.join(builtin_names())}) or a JSON file")
-    p.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per step (default 1)")
-    p.add_argument("--dtype", default="bf16", help="fp32, tf32, bf16, fp16 (default bf16)")
-    p.add_argument("--flash", action=argparse.BooleanOptionalAction, default=True,
-                   help="FlashAttention: no s^2 tensors saved (default on)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
-    p.add_argument("--dp-shard", type=int, default=1,
-                   help="ranks the optimizer states are sharded over, ZeRO-1 (default 1)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    p.add_argument("--plot", default=None, metavar="PNG", help="also write a figure to this file")
-
-
-def _config(args, name: Optional[str] = None) -> ModelConfig:
-    name = name or args.model or DEFAULT_MODEL
-    return resolve(name, seq=args.seq, micro_batch=args.micro_batch, dtype=args.dtype,
-                   flash=args.flash, tp=args.tp, dp_shard=args.dp_shard)
-
-
-def _hardware(args, required: bool = True):
-    if args.hardware is None:
-        if required:
-            raise ValueError(f"--hardware is required: a built-in profile "
-                             f"({', '.join(builtin_names())}) or a JSON file")
-        return None
-    return load_hardware(args.hardware, "--hardware")
-
-
-def _policies(text: Optional[str], default=DEFAULT_POLICIES) -> list[str]:
-    if not text:
-        return list(default)
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    if not names:
-        raise ValueError("--policies must name at least one policy")
-    return [check_policy(n, "--policies") for n in names]
-
-
-def _hw_line(hw) -> str:
-    return (f"hardware: {hw.name} ({hw.title}): {format_bytes(hw.device_memory_bytes)} device "
-            f"({format_bytes(hw.reserved_bytes)} reserved), host link {hw.d2h / 1e9:.1f}/"
-            f"{hw.h2d / 1e9:.1f} GB/s (D2H/H2D achievable), host RAM "
-            f"{format_bytes(hw.host_memory_bytes)}")
 
 
 # ------------------------------------------------------------------------------ simulate
@@ -87,7 +26,7 @@ SIMULATE_HELP = "simulate every policy on a model (or a recorded trace) at a bud
 
 
 def configure_simulate(p: argparse.ArgumentParser) -> None:
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--trace", default=None, metavar="PATH",
                    help="simulate a trace (file or trace_dir) instead of --model; its compute "
                         "stays as recorded, --hardware (optional) then gives the link and the "
@@ -103,7 +42,7 @@ def configure_simulate(p: argparse.ArgumentParser) -> None:
 def run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if pipeline_cli.wanted(args):
         try:
-            pipeline_cli.run(args, _config(args), _hardware(args),
+            pipeline_cli.run(args, model_config(args), hardware_arg(args),
                              parse_size(args.budget, "--budget"))
         except ValueError as exc:
             parser.error(str(exc))
@@ -112,11 +51,11 @@ def run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         # tpN re-shards the formula's model: a recorded or traced step cannot be re-sharded, so
         # the default list leaves it out there (asked for by name, it is an error).
         fixed = bool(args.trace or args.hf)
-        policies = _policies(args.policies, POLICIES if fixed else DEFAULT_POLICIES)
+        policies = policies_arg(args.policies, POLICIES if fixed else DEFAULT_POLICIES)
         budget = parse_size(args.budget, "--budget")
         if args.trace and (args.model or args.hf):
             raise ValueError("give one of --model, --hf or --trace")
-        hw = _hardware(args, required=not args.trace)
+        hw = hardware_arg(args, required=not args.trace)
         traced = traced_model(args, hw)
         if fixed:
             trace = traced.trace() if traced else load_trace(args.trace)
@@ -126,7 +65,7 @@ def run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
                     raise ValueError(f"--policies: {p} needs a model (--model): a recorded or "
                                      f"traced step cannot be re-sharded")
         else:
-            cfg = _config(args)
+            cfg = model_config(args)
             trace = generate(cfg, hw)
         link = (hw.d2h, hw.h2d) if hw else trace.link
         if link is None:
@@ -146,7 +85,7 @@ def run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     except ValueError as exc:
         parser.error(str(exc))
     steps = trace.steps
-    lb = sum(lower_bound(s, budget, *link) for s in steps) / len(steps)
+    lb = sum(swap_only_bound(s, budget, *link) for s in steps) / len(steps)
     if args.json:
         print(json.dumps({"lower_bound_seconds": lb,
                           "policies": {k: r.as_dict() for k, r in results.items()}}))
@@ -156,7 +95,7 @@ def run_simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
                 traced.describe() if traced else
                 f"trace: {args.trace} ({len(steps)} steps, {trace.source})"]
         if hw:
-            head.append(_hw_line(hw))
+            head.append(hw_line(hw))
         else:
             head.append(f"link: {link[0] / 1e9:.2f}/{link[1] / 1e9:.2f} GB/s (D2H/H2D, recorded)")
         head.append(f"model states {format_bytes(s0.model_state_bytes)}, workspace "
@@ -201,18 +140,18 @@ CAPACITY_HELP = "per policy: the largest model, sequence and micro-batch that fi
 
 
 def configure_capacity(p: argparse.ArgumentParser) -> None:
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--policies", default=None,
                    help=f"comma-separated (default: {','.join(POLICIES)})")
 
 
 def run_capacity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
-        policies = _policies(args.policies, POLICIES)
-        hw = _hardware(args)
+        policies = policies_arg(args.policies, POLICIES)
+        hw = hardware_arg(args)
         cfg = traced_model(args, hw)
         if cfg is None:
-            cfg = _config(args)
+            cfg = model_config(args)
             generate(cfg, hw)          # fail fast on a dtype the hardware lacks
         else:
             cfg.trace()
@@ -240,7 +179,7 @@ def run_capacity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 
 
 def capacity_text(cap: dict, cfg: ModelConfig, hw, markdown: bool = False) -> str:
-    out = [] if markdown else [_hw_line(hw), cfg.describe(), ""]
+    out = [] if markdown else [hw_line(hw), cfg.describe(), ""]
     specs = (("model", f"largest dense preset at seq {cfg.seq} x micro-batch {cfg.micro_batch}",
               lambda p: f"{p['model']} ({p['params'] / 1e9:.1f}B)"),
              ("seq", f"longest sequence for {cfg.name} at micro-batch {cfg.micro_batch}",
@@ -269,7 +208,7 @@ COMPARE_HELP = ("chameleon and hybrid vs recomputation vs tensor-parallel degree
 
 
 def configure_compare(p: argparse.ArgumentParser) -> None:
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--models", default=None,
                    help=f"comma-separated presets (default: {','.join(family())})")
     p.add_argument("--degrees", default="1,2,4,8",
@@ -289,7 +228,7 @@ def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         if args.budget:
             raise ValueError("--budget: compare --models runs each approach at the budget its "
                              "device leaves at each degree; --budget is for --hf")
-        hw = _hardware(args)
+        hw = hardware_arg(args)
         models = ([m.strip() for m in args.models.split(",") if m.strip()] if args.models
                   else ([args.model] if args.model else family()))
         for m in models:
@@ -306,7 +245,7 @@ def run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     if args.json:
         print(json.dumps({"hardware": hw.name, "settings": settings, "models": rows}))
     else:
-        print(_hw_line(hw))
+        print(hw_line(hw))
         print(f"seq {args.seq} x micro-batch {args.micro_batch}, {args.dtype}, flash "
               f"{'on' if args.flash else 'off'}; each approach at the smallest tensor-parallel "
               f"degree that fits\n")
@@ -354,7 +293,7 @@ TRACE_HELP = "write a trace: analytic (--model, --hardware) or recorded from a w
 
 
 def configure_trace(p: argparse.ArgumentParser) -> None:
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--workload", default=None, metavar="NAME",
                    help="record a real run of a registered workload (e.g. llama-varlen, moe)")
     p.add_argument("--size", default="small", help="workload size (default small)")
@@ -374,15 +313,15 @@ def run_trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                              "(with --hardware) for one traced on fake tensors, or --workload "
                              "for a recorded one")
         if args.hf:
-            hw = _hardware(args)
+            hw = hardware_arg(args)
             traced = traced_model(args, hw)
             trace = traced.trace()
             path = save_trace(trace, args.out)
             msg = (f"wrote {path}: {traced.describe()}, {len(trace.steps[0].tensors)} saved "
                    f"tensors, {format_bytes(trace.steps[0].activation_bytes)} of activations")
         elif args.model:
-            hw = _hardware(args)
-            trace = generate(_config(args), hw)
+            hw = hardware_arg(args)
+            trace = generate(model_config(args), hw)
             path = save_trace(trace, args.out)
             msg = (f"wrote {path}: analytic trace of {trace.meta['model']['name']} on {hw.name}, "
                    f"{len(trace.steps[0].tensors)} saved tensors, "

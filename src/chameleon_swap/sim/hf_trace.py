@@ -12,7 +12,7 @@ from typing import Optional
 
 from .hardware import Hardware
 from .models import read_json
-from ..trace import Step, Tensor, Trace
+from ..runtime.trace import Step, Tensor, Trace
 from .traced import OPTIMIZERS, TRACED_LAYERS, Recording, cached, scale_layers
 
 DTYPES = ("bf16", "fp32")

@@ -5,7 +5,7 @@ with recomputation where the link cannot keep up (hybrid), per rank.
 The model (one micro-batch) is the analytic trace of ``analytic.generate``: its ops' forward
 and backward times and saved tensors are cut into stages by block (the embedding on the first
 stage, the final norm, head and loss on the last), each rank holding its stages' model states.
-The schedule's per-rank orders (``pipeline_schedule``, the same orders the runtime executes)
+The schedule's per-rank orders (``parallel/schedules``, the same orders the runtime executes)
 are timed op by op with a point-to-point transfer of one micro-batch's hidden states between
 ranks over the interconnect. Activations of a (stage, micro-batch) are held from its forward's
 start to its backward's end.
@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..pipeline_schedule import Op, Schedule, Timed, make_schedule, memory_over_time, time_schedule
+from ..parallel.schedules import Op, Schedule, Timed, make_schedule, memory_over_time, time_schedule
 from .analytic import generate
 from .hardware import Hardware
 from .models import ModelConfig

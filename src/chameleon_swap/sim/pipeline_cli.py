@@ -8,7 +8,7 @@ import argparse
 import json
 
 from ..config import format_bytes
-from ..pipeline_schedule import SCHEDULES
+from ..parallel.schedules import SCHEDULES
 from . import report
 from .pipeline import MODES, simulate_pipeline
 

@@ -21,7 +21,7 @@ tens of units, so a whole unit is a coarse step (a unit of rank 0 under 1F1B is 
 activations); counting blocks lets the search stop where the link is just busy. Which blocks of a
 unit are recomputed does not matter to this model: a stage's blocks are alike.
 
-The hybrid search follows the single-GPU hybrid planner (``chameleon_swap.hybrid``): families of
+The hybrid search follows the single-GPU hybrid planner (``chameleon_swap.planning.modes``): families of
 mixes along a conversion order, each searched on how many blocks convert (``best_count``), the
 best kept. The rank's time is ``max(busy + recompute, link)``: recomputing a block costs its
 forward and takes its bytes off the link, so the best mix swaps what the link can move within the
@@ -36,8 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Sequence
 
-from ..hybrid import best_count
-from ..pipeline_schedule import Op, Schedule, Timed, backward_positions
+from ..planning.modes import best_count
+from ..parallel.schedules import Op, Schedule, Timed, backward_positions
 
 
 class Traffic(NamedTuple):

@@ -17,7 +17,7 @@ way, the budget rules of the runtime):
 * ``chameleon``: the planner's plan for each step's own profile (the adaptive loop once a
   sequence has been seen).
 * ``hybrid``: chameleon with recomputation (``Chameleon(model=...)``): the hybrid planner
-  (``hybrid.plan_hybrid``) chooses per block keep, selective or full recomputation together with
+  (``planning.modes.plan_hybrid``) chooses per block keep, selective or full recomputation together with
   the swap set, on the step's block structure (analytic traces carry it; selective here re-runs
   the attention core, as ``selective-recompute`` does).
 
@@ -31,7 +31,7 @@ just before its backward; ``selective-recompute`` drops only the attention core 
 dropout outputs, the s^2 tensors) and re-runs it. Their memory is swept slot by slot (the
 timeline's spans are saved in forward only; recomputed tensors are saved in backward).
 
-``lower_bound``: when forward ends every tensor has been saved and none released, so at least
+``swap_only_bound``: when forward ends every tensor has been saved and none released, so at least
 ``E`` bytes (the natural peak's excess over the budget) must be off the device by then, all through
 the one D2H stream; those that backward needs (all but ``U`` bytes) come back after that moment,
 through the one H2D stream. So no swap schedule that holds the budget ends sooner than
@@ -45,10 +45,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..hybrid import Block, plan_hybrid
-from ..planner import fetch_schedule, plan as make_plan
-from ..timeline import Plan, Prediction, simulate
-from ..trace import Step, Trace
+from ..planning.swaps import fetch_schedule, plan as make_plan
+from ..planning.timeline import Plan, Prediction, simulate
+from ..runtime.trace import Step, Trace
+from .block_policies import hybrid_step, recompute_step
 
 SWAP = ("none", "sync-swap", "async-swap", "guard", "static", "chameleon")
 RECOMPUTE = ("full-recompute", "selective-recompute")
@@ -118,7 +118,7 @@ def check_policy(name: str, arg: str = "policy") -> str:
 
 
 # ------------------------------------------------------------------------------- lower bound
-def lower_bound(step: Step, budget: Optional[int], d2h: float, h2d: float) -> float:
+def swap_only_bound(step: Step, budget: Optional[int], d2h: float, h2d: float) -> float:
     """The least time a swap schedule holding ``budget`` can take on ``step`` (see above)."""
     compute = step.compute_seconds
     if budget is None:
@@ -248,89 +248,6 @@ class _Schedule:
         return out
 
 
-# ------------------------------------------------------------------------------- recomputation
-def _recompute_step(step: Step, policy: str) -> StepResult:
-    if not step.has_blocks:
-        raise ValueError(f"{policy} needs a trace with block (layer) structure: analytic traces "
-                         f"have it, traces recorded by the profiler do not")
-    full = policy == "full-recompute"
-    blocks, kinds = step.segment_block, step.segment_kind or [""] * step.n_forward
-    if full:
-        drop = [j for j, t in enumerate(step.tensors)
-                if t.block is not None and t.kind != "block_input"]
-    else:
-        drop = [j for j, t in enumerate(step.tensors) if t.kind == "attn_core"]
-    redo: dict = {}                       # block -> forward seconds re-run before its backward
-    for i, (blk, kind) in enumerate(zip(blocks, kinds)):
-        if blk is not None and (full or kind == "attn_core"):
-            redo[blk] = redo.get(blk, 0.0) + step.segments[i]
-    n_slots = step.n_slots
-    first: dict = {}                      # block -> first slot that needs a dropped tensor
-    for j in drop:
-        t = step.tensors[j]
-        if t.first_used_at < n_slots:
-            first[t.block] = min(first.get(t.block, n_slots), t.first_used_at)
-    segments = list(step.segments)
-    for blk, slot in first.items():
-        segments[slot] += redo.get(blk, 0.0)
-    # Memory, slot by slot: kept tensors from save to the end of their use slot; recomputed ones
-    # from their block's recomputation to the end of their own use slot.
-    dropped = set(drop)
-    live = [0] * (n_slots + 2)
-    kept_total = 0
-    for j, t in enumerate(step.tensors):
-        if j in dropped:
-            if t.first_used_at < n_slots:
-                live[first[t.block]] += t.nbytes
-                live[t.first_used_at + 1] -= t.nbytes
-        else:
-            kept_total += t.nbytes
-            live[step.n_forward] += t.nbytes
-            live[min(t.first_used_at, n_slots) + 1] -= t.nbytes
-    peak, level = kept_total, 0
-    for s in range(step.n_forward, n_slots + 1):
-        level += live[s]
-        peak = max(peak, level)
-    total = float(sum(segments))
-    return StepResult(step_seconds=total, stall_seconds=0.0, peak_bytes=peak, moved_bytes=0,
-                      compute_seconds=total, lower_bound_seconds=total)
-
-
-# ------------------------------------------------------------------------------- hybrid
-def hybrid_blocks(step: Step) -> list[Block]:
-    """The step's blocks as the hybrid planner sees them: each block's tensors (contiguous in
-    save order), its forward time, its input, and selective = re-running its attention core."""
-    if not step.has_blocks:
-        raise ValueError("hybrid needs a trace with block (layer) structure: analytic traces "
-                         "have it, traces recorded by the profiler do not")
-    ranges: dict = {}
-    for j, t in enumerate(step.tensors):
-        if t.block is not None:
-            lo, hi = ranges.get(t.block, (j, j))
-            ranges[t.block] = (min(lo, j), max(hi, j))
-    kinds = step.segment_kind or [""] * step.n_forward
-    out = []
-    for blk, (lo, hi) in sorted(ranges.items(), key=lambda kv: kv[1]):
-        ts = step.tensors[lo:hi + 1]
-        if any(t.block != blk for t in ts):
-            raise ValueError(f"block {blk}'s tensors are not contiguous in save order")
-        fwd = sum(sec for sec, b in zip(step.segments, step.segment_block) if b == blk)
-        core = sum(sec for sec, b, k in zip(step.segments, step.segment_block, kinds)
-                   if b == blk and k == "attn_core")
-        inp = sum(t.nbytes for t in ts if t.kind == "block_input")
-        kept = sum(t.nbytes for t in ts if t.kind not in ("attn_core", "block_input"))
-        out.append(Block(lo, hi + 1, fwd, inp, selective_bytes=kept, selective_seconds=core))
-    return out
-
-
-def _hybrid_step(step: Step, budget: Optional[int], d2h: float, h2d: float) -> Prediction:
-    hp = plan_hybrid(step.profile(d2h, h2d), hybrid_blocks(step), budget)
-    # Copies back as the runtime issues them (the guard prefetches as room allows; see above).
-    n_f, n_slots = hp.profile.n_forward, hp.profile.n_slots
-    eager = {j: n_f for j in hp.swap.move if hp.profile.spans[j].use < n_slots}
-    return simulate(hp.profile, Plan(hp.swap.move, eager), budget)
-
-
 # ------------------------------------------------------------------------------- entry point
 def run(trace: Trace, policy: str, budget: Optional[int], *, link: Optional[tuple] = None,
         device_bytes: Optional[int] = None, host_bytes: Optional[int] = None,
@@ -359,23 +276,24 @@ def run(trace: Trace, policy: str, budget: Optional[int], *, link: Optional[tupl
     out = Result(policy=policy, budget_bytes=budget, tokens=trace.steps[0].tokens)
     need_dev = need_host = 0
     for i, step in enumerate(trace.steps):
-        lb = lower_bound(step, budget if policy in BUDGETED else None, d2h, h2d)
+        lb = swap_only_bound(step, budget if policy in BUDGETED else None, d2h, h2d)
         if policy in RECOMPUTE:
-            r = _recompute_step(step, policy)
-            r.lower_bound_seconds = r.compute_seconds
+            total, peak = recompute_step(step, policy)
+            r = StepResult(step_seconds=total, stall_seconds=0.0, peak_bytes=peak, moved_bytes=0,
+                           compute_seconds=total, lower_bound_seconds=total)
         elif policy == "hybrid":
             key = ("hybrid", budget, d2h, h2d, step.n_forward, tuple(step.segments),
                    tuple((t.nbytes, t.saved_at, t.first_used_at, t.movable, t.block, t.kind)
                          for t in step.tensors))
             pred = cache.get(key)
             if pred is None:
-                pred = cache[key] = _hybrid_step(step, budget, d2h, h2d)
+                pred = cache[key] = hybrid_step(step, budget, d2h, h2d)
             compute = float(sum(step.segments)) + (pred.total_seconds - pred.stall_seconds
                                                    - step.compute_seconds)
             r = StepResult(step_seconds=pred.total_seconds, stall_seconds=pred.stall_seconds,
                            peak_bytes=max(pred.peak_bytes, pred.overflow_bytes),
                            moved_bytes=pred.moved_bytes, compute_seconds=compute,
-                           lower_bound_seconds=pred.lower_bound_seconds,
+                           lower_bound_seconds=pred.swap_only_bound_seconds,
                            counted_peak_bytes=pred.peak_bytes)
         else:
             given, guard = sched.given(i, step)
@@ -395,8 +313,8 @@ def run(trace: Trace, policy: str, budget: Optional[int], *, link: Optional[tupl
             r = StepResult(step_seconds=pred.total_seconds, stall_seconds=pred.stall_seconds,
                            peak_bytes=peak, moved_bytes=pred.moved_bytes,
                            compute_seconds=step.compute_seconds,
-                           lower_bound_seconds=max(lb, pred.lower_bound_seconds)
-                           if policy in BUDGETED else pred.lower_bound_seconds,
+                           lower_bound_seconds=max(lb, pred.swap_only_bound_seconds)
+                           if policy in BUDGETED else pred.swap_only_bound_seconds,
                            counted_peak_bytes=pred.peak_bytes)
         out.steps.append(r)
         need_dev = max(need_dev, step.model_state_bytes + r.peak_bytes + step.workspace_bytes)

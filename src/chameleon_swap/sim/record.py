@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..trace import Trace, load
+from ..runtime.trace import Trace, load
 
 
 def record(workload: str, out_dir, *, steps: int = 4, size: str = "small",

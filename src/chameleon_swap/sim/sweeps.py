@@ -15,7 +15,7 @@ from .analytic import generate
 from .hardware import Hardware
 from .models import ModelConfig, family, preset
 from .policies import TP_RE, Result, run
-from ..trace import Step
+from ..runtime.trace import Step
 
 SEQ_STEP = 256            # sequence lengths are searched in multiples of this
 MAX_SEQ = 2 ** 21

@@ -9,6 +9,9 @@
 
 ``get_workload(name, size, **overrides)`` makes one; sizes are "tiny" (tests), "small" (the CPU
 demo) and "gpu" (an H100).
+
+May import: torch and, in ``hf.py`` only, transformers; nothing of the engine.
+Imported by: ``bench/`` and ``sim/``.
 """
 from importlib.util import find_spec
 

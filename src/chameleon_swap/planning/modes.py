@@ -1,0 +1,264 @@
+"""Block modes: which blocks to keep, recompute selectively or recompute fully, chosen together
+with the swap set. Pure (standard library only), like ``timeline`` and ``planner``.
+
+Why one decision: on an H100 the host link moves about 54 GB/s each way, so at a 25% budget a
+Llama step must copy ~25 GB out and back while its forward pass, which must hide the copies out,
+takes ~0.15 s: swapping alone stalls for seconds, while full recomputation costs 1.14-1.20x of the
+plain step (measured by the project on an H100 with Hugging Face Llama models, bf16 autocast).
+Swapping is worth it for the bytes the link can hide; beyond that, recomputing is cheaper than
+waiting, and keeping is free while it fits.
+
+The input is the *keep view* of a step: its timeline ``Profile`` as measured with every block
+kept, and per block (``Block``) the spans it saved, its forward time, the bytes of its inputs and,
+where measured, what selective checkpointing keeps and costs. ``apply_modes`` turns the keep view
+into the timeline of a mix of modes:
+
+* keep: unchanged.
+* full: the block's spans are gone; one movable span of its input bytes is saved where the block
+  began and needed where its backward begins; that slot gains the block's forward time (the
+  recompute) and, from then until the block's backward ends, the block's saved bytes are held
+  (``reserve``): the recompute re-creates them.
+* selective: the same, except that the recompute costs the measured selective time and the bytes
+  selective checkpointing keeps (matmul and attention outputs) are held from the block's first
+  save until its backward begins, where they become part of the held working set.
+
+``plan_hybrid`` searches families of mixes (blocks converted in order of the shortest wait between
+their forward and their backward, since those are the ones the link cannot hide), runs the swap
+planner on each and keeps the least predicted time under the budget. The all-keep mix (swap only)
+and the all-full mix are always among the candidates, and the swap planner is never worse than
+moving nothing, so the result is never predicted slower than full recomputation of every block
+when that fits the budget, nor slower than swapping alone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from .swaps import plan as plan_swaps
+from .timeline import Plan, Prediction, Profile, Span, simulate, unmoved_peak
+
+MODES = ("keep", "selective", "full")
+QUICK_EVALS = 48          # swap-planner simulations per candidate mix while searching
+
+
+@dataclass(frozen=True)
+class Block:
+    first_span: int                    # spans [first_span, end_span) are saved inside the block
+    end_span: int                      #   when it is kept
+    forward_seconds: float             # its forward compute: what full recomputation repeats
+    input_bytes: int                   # what full recomputation saves instead (its inputs)
+    selective_bytes: Optional[int] = None      # kept by selective checkpointing (None: unknown)
+    selective_seconds: Optional[float] = None  # recompute time of selective (None: unknown)
+    eligible: bool = True              # False: left as the user wrote it (always keep)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.first_span <= self.end_span:
+            raise ValueError(f"block spans [{self.first_span}, {self.end_span}) are not a range")
+        if self.forward_seconds < 0 or self.input_bytes < 0:
+            raise ValueError("forward_seconds and input_bytes must be >= 0")
+
+    @property
+    def selective_known(self) -> bool:
+        return self.selective_bytes is not None and self.selective_seconds is not None
+
+
+@dataclass(frozen=True)
+class HybridPlan:
+    modes: tuple[str, ...]             # per block
+    profile: Profile                   # the step's timeline under these modes
+    swap: Plan                         # the swap plan over ``profile`` (predicted filled in)
+    working_set: tuple[int, ...]       # per block: bytes held while its recompute + backward run
+
+    @property
+    def predicted(self) -> Prediction:
+        return self.swap.predicted
+
+    def counts(self) -> tuple[int, int, int]:
+        """How many blocks keep, recompute selectively, recompute fully."""
+        return tuple(self.modes.count(m) for m in MODES)
+
+
+def own_spans(profile: Profile, block: Block) -> tuple[list[int], int]:
+    """The spans a recompute of ``block`` re-creates, and the slot where its backward begins.
+
+    Its backward begins where backward first needs the last tensor it saved (reverse order).
+    A tensor it saved first but that backward needs before that is shared with later blocks
+    (rotary tables, masks): those still need it, so it is not the block's own and stays a span
+    whatever the block's mode."""
+    n_slots = profile.n_slots
+    inner = range(block.first_span, block.end_span)
+    begin = next((profile.spans[j].use for j in reversed(inner)
+                  if profile.spans[j].use < n_slots), n_slots)
+    return [j for j in inner if profile.spans[j].use >= begin], begin
+
+
+def working_set(profile: Profile, block: Block) -> int:
+    """Bytes the block's recompute re-creates for its backward: what it saves when kept."""
+    return sum(profile.spans[j].nbytes for j in own_spans(profile, block)[0])
+
+
+def apply_modes(profile: Profile, blocks: Sequence[Block], modes: Sequence[str]) -> Profile:
+    """The timeline of ``profile`` (the keep view) with each block run in its mode."""
+    if len(modes) != len(blocks):
+        raise ValueError(f"modes has {len(modes)} entries for {len(blocks)} blocks")
+    n_slots = profile.n_slots
+    compute = list(profile.compute)
+    reserve = list(profile.reserve or (0,) * n_slots)
+    drop: set[int] = set()
+    added: list[tuple[int, int, Span]] = []        # (save slot, order, span) of block inputs
+    for b, (blk, mode) in enumerate(zip(blocks, modes)):
+        if mode not in MODES:
+            raise ValueError(f"mode of block {b} must be one of {MODES}; got {mode!r}")
+        if mode == "keep" or not blk.eligible or blk.first_span == blk.end_span:
+            continue
+        if mode == "selective" and not blk.selective_known:
+            raise ValueError(f"block {b} has no measured selective figures")
+        own, begin = own_spans(profile, blk)
+        if begin >= n_slots:
+            continue                                  # never needed again: nothing to recompute
+        spans = [profile.spans[j] for j in own]
+        drop.update(own)
+        first_save = min(sp.save for sp in spans)
+        end = max(sp.use for sp in spans if sp.use < n_slots)   # the block's backward, in slots
+        added.append((first_save, b, Span(blk.input_bytes, first_save, begin)))
+        held = sum(sp.nbytes for sp in spans)
+        if mode == "full":
+            compute[begin] += blk.forward_seconds
+        else:
+            compute[begin] += blk.selective_seconds
+            for s in range(first_save, begin):     # from then on, part of the working set
+                reserve[s] += blk.selective_bytes
+        for s in range(begin, end + 1):
+            reserve[s] += held
+    kept = [(sp.save, -1, j, sp) for j, sp in enumerate(profile.spans) if j not in drop]
+    ins = [(save, b, -1, sp) for save, b, sp in added]
+    spans = tuple(sp for *_, sp in sorted(kept + ins, key=lambda x: x[:3]))
+    return Profile(compute=tuple(compute), n_forward=profile.n_forward, spans=spans,
+                   d2h_bytes_per_s=profile.d2h_bytes_per_s,
+                   h2d_bytes_per_s=profile.h2d_bytes_per_s,
+                   reserve=tuple(reserve) if any(reserve) else ())
+
+
+def conversion_order(profile: Profile, blocks: Sequence[Block]) -> list[int]:
+    """Blocks that can be recomputed, those whose activations wait the least first: the time
+    from the end of their forward to the start of their backward is the window the link has to
+    hide their copies, so the blocks with short windows are the ones to recompute (or keep)."""
+    st = profile.starts
+    n_slots = profile.n_slots
+    keyed = []
+    for b, blk in enumerate(blocks):
+        if not blk.eligible or blk.first_span == blk.end_span:
+            continue
+        own, begin = own_spans(profile, blk)
+        if begin >= n_slots:
+            continue
+        last_save = max(profile.spans[j].save for j in own)
+        keyed.append((st[begin] - st[last_save + 1], -b, b))
+    return [b for *_, b in sorted(keyed)]
+
+
+def full_recompute_modes(blocks: Sequence[Block]) -> tuple[str, ...]:
+    return tuple("full" if blk.eligible else "keep" for blk in blocks)
+
+
+def plan_hybrid(profile: Profile, blocks: Sequence[Block], budget: Optional[int], *,
+                max_evals: Optional[int] = None) -> HybridPlan:
+    """Block modes and swap set with the least predicted step time under ``budget``.
+
+    Nothing is recomputed or moved when the keep view's unmoved peak fits. ``max_evals`` bounds
+    the swap planner's simulations for the final plan (its default otherwise)."""
+    keep = tuple("keep" for _ in blocks)
+    if budget is None or unmoved_peak(profile) <= budget:
+        return _made(profile, blocks, keep, Plan(frozenset(), {}, budget,
+                                                 simulate(profile, Plan(frozenset()), budget)))
+    search = _ModeSearch(profile, blocks, budget)
+    best = search.run()
+    final = plan_swaps(search.view(best), budget, max_evals=max_evals)
+    quick = search.plans[best]
+    swap = final if search.key(final.predicted, best) <= search.key(quick.predicted, best) else quick
+    return _made(search.view(best), blocks, best, swap, profile)
+
+
+def _made(view: Profile, blocks, modes, swap: Plan, keep_view: Optional[Profile] = None):
+    base = keep_view if keep_view is not None else view
+    ws = tuple(working_set(base, blk) if m != "keep" and blk.eligible else 0
+               for blk, m in zip(blocks, modes))
+    return HybridPlan(modes=tuple(modes), profile=view, swap=swap, working_set=ws)
+
+
+def best_count(score: Callable[[int], tuple], n: int) -> int:
+    """The ``k`` in ``[0, n]`` with the least ``score(k)`` (ties: the smaller ``k``), for a score
+    roughly unimodal in ``k``: a geometric ladder 0, 1, 2, 4, ..., n, then a ternary search
+    between the rungs around the best. Each ``k`` is scored at most once."""
+    tried: dict[int, tuple] = {}
+
+    def at(k: int) -> tuple:
+        if k not in tried:
+            tried[k] = score(k)
+        return tried[k]
+    ladder = sorted({0, n} | {min(n, 2 ** i) for i in range(n.bit_length() + 1)})
+    best = min(ladder, key=lambda k: (at(k), k))
+    i = ladder.index(best)
+    lo = ladder[i - 1] if i > 0 else best
+    hi = ladder[i + 1] if i + 1 < len(ladder) else best
+    while hi - lo > 2:
+        m1, m2 = lo + (hi - lo) // 3, hi - (hi - lo) // 3
+        if at(m1) <= at(m2):
+            hi = m2
+        else:
+            lo = m1
+    return min(range(lo, hi + 1), key=lambda k: (at(k), k))
+
+
+class _ModeSearch:
+    """Families of mixes along the conversion order, each searched on how many blocks convert:
+    all full, all selective (where measured), and full for the first blocks with selective for
+    the rest. A geometric ladder, then a ternary search around the best rung."""
+
+    def __init__(self, profile: Profile, blocks: Sequence[Block], budget: int) -> None:
+        self.pr, self.blocks, self.budget = profile, list(blocks), budget
+        self.order = conversion_order(profile, blocks)
+        self.views: dict[tuple, Profile] = {}
+        self.plans: dict[tuple, Plan] = {}
+        self.scale = max(float(sum(profile.compute)), 1e-12)
+
+    def view(self, modes: tuple) -> Profile:
+        v = self.views.get(modes)
+        if v is None:
+            v = self.views[modes] = apply_modes(self.pr, self.blocks, modes)
+        return v
+
+    def key(self, pred: Prediction, modes: tuple) -> tuple:
+        recomputed = sum(m != "keep" for m in modes)
+        return (not pred.budget_ok, round(pred.total_seconds / self.scale, 9), recomputed,
+                pred.moved_bytes)
+
+    def score(self, modes: tuple) -> tuple:
+        p = self.plans.get(modes)
+        if p is None:
+            p = self.plans[modes] = plan_swaps(self.view(modes), self.budget,
+                                               max_evals=QUICK_EVALS)
+        return self.key(p.predicted, modes)
+
+    def family(self, first: str, rest: str):
+        order, n_blocks = self.order, len(self.blocks)
+
+        def modes(k: int) -> tuple:
+            m = ["keep"] * n_blocks
+            for i, b in enumerate(order):
+                m[b] = first if i < k else rest
+            return tuple(m)
+        return modes
+
+    def best_k(self, modes, n: int) -> tuple:
+        return modes(best_count(lambda k: self.score(modes(k)), n))
+
+    def run(self) -> tuple:
+        n = len(self.order)
+        cands = [self.best_k(self.family("full", "keep"), n)]
+        if n and all(self.blocks[b].selective_known for b in self.order):
+            cands.append(self.best_k(self.family("selective", "keep"), n))
+            cands.append(self.best_k(self.family("full", "selective"), n))
+        cands.append(full_recompute_modes(self.blocks))     # always: the full-recompute bound
+        cands.append(tuple("keep" for _ in self.blocks))    # always: swap only
+        return min(cands, key=lambda m: (self.score(m), m))

@@ -1,0 +1,215 @@
+"""Block modes at run time: which mode each block runs in this step (policy side of recompute).
+
+The recompute runner (``recompute/runner.py``, mechanism) asks ``mode(b, input_bytes)`` when block ``b``
+starts; this class answers from a mode plan (``planning.modes.plan_hybrid``) made for the step's
+size.
+
+* Sizes. A step is keyed by its step size (``signatures.step_size``: its first block's input,
+  tokens x hidden, bucketed; it changes with the sequence length and batch, not with the data).
+  Each key gets a plan of its own;
+  a step of a key not planned yet runs the plan of the nearest larger key (more recomputation is
+  the safe side), else of the largest, and its key is planned at the end of that step.
+* Keep views. The planner needs the step as it is with every block kept. That is measured on a
+  detailed step that ran every block kept (the very first step does); a key that never ran so is
+  planned on the nearest measured keep view, scaled to its size (bytes and time in proportion to
+  the input bytes).
+* Selective figures (what selective checkpointing keeps and costs) are measured, not assumed: the
+  first time a plan recomputes a block fully and selective was never measured, one such block runs
+  selective for one step; its held bytes and recompute time, against its keep-view figures, give
+  the ratios used for every block of the model from then on, and every key is planned again.
+* The guard holds the budget underneath whatever the plan says: a plan made for another size
+  costs speed, never the budget.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
+
+from ..planning.modes import Block, HybridPlan, plan_hybrid, working_set
+from ..planning.signatures import step_size
+from ..planning.timeline import Profile, Span
+
+REPLAN_BUDGET_CHANGE = 0.05     # a budget that moved by more than this re-plans the key
+
+
+@dataclass
+class KeepView:
+    profile: Profile            # timeline at the bandwidths of when it was measured
+    blocks: list[Block]         # in call order
+    block_ids: list[int]        # runner block index of each
+    input_bytes: int            # the first block's input: the size the view was measured at
+
+
+@dataclass
+class ModePlan:
+    modes: dict[int, str]       # runner block index -> mode
+    working_set: dict[int, int]
+    input_bytes: int
+    budget: int
+    measured: bool              # made from this key's own keep view (else scaled from another)
+    hybrid: HybridPlan
+
+
+class BlockModes:
+    def __init__(self, bandwidth_fn: Callable[[], tuple]) -> None:
+        self.bandwidth_fn = bandwidth_fn
+        self.views: dict[int, KeepView] = {}
+        self.plans: dict[int, ModePlan] = {}
+        self.sel_bytes_ratio: Optional[float] = None    # selective held / keep saved
+        self.sel_seconds_ratio: Optional[float] = None  # selective recompute / keep forward
+        self._probe: Optional[int] = None               # block to run selective once
+        self._probed = False
+        self.eligible: list[bool] = []                  # per runner block (set by the engine)
+        self.begin_step(None)
+
+    # ------------------------------------------------------------------ during the step
+    def begin_step(self, budget: Optional[int]) -> None:
+        self.budget = budget
+        self.key: Optional[int] = None
+        self.input_bytes = 0
+        self.plan: Optional[ModePlan] = None
+        self.probing: Optional[int] = None
+        self.pending: dict[int, int] = {}   # blocks run recomputed whose recompute has not begun
+
+    def ahead(self) -> int:
+        """Room copies back must leave this step: the largest recompute still to come."""
+        return max(self.pending.values(), default=0)
+
+    def mode(self, b: int, input_bytes: int) -> str:
+        if self.budget is None:
+            return "keep"
+        if self.key is None:                 # the step's first block call: its size
+            self.key = step_size(input_bytes)
+            self.input_bytes = input_bytes
+            self.plan = self._nearest(input_bytes)
+        if self._probe is not None and b == self._probe and self.probing is None:
+            self.probing = b
+            mode = "selective"
+        else:
+            mode = self.plan.modes.get(b, "keep") if self.plan is not None else "keep"
+        if mode != "keep":
+            self.pending[b] = self._working_set(b)
+        return mode
+
+    def working_set(self, b: int) -> int:
+        """Bytes a recompute of block ``b`` re-creates, scaled to this step's size (asked when
+        its recompute begins)."""
+        self.pending.pop(b, None)
+        return self._working_set(b)
+
+    def _working_set(self, b: int) -> int:
+        p = self.plan
+        if p is None or b not in p.working_set:
+            view = self._view_near(self.input_bytes)
+            if view is None or b not in view.block_ids:
+                return 0
+            blk = view.blocks[view.block_ids.index(b)]
+            ws = working_set(view.profile, blk)
+            return int(ws * self.input_bytes / max(1, view.input_bytes))
+        return int(p.working_set[b] * self.input_bytes / max(1, p.input_bytes))
+
+    def _nearest(self, input_bytes: int) -> Optional[ModePlan]:
+        plans = self.plans
+        if not plans:
+            return None
+        key = step_size(input_bytes)
+        if key in plans:
+            return plans[key]
+        larger = [p for p in plans.values() if p.input_bytes >= input_bytes]
+        if larger:
+            return min(larger, key=lambda p: p.input_bytes)
+        return max(plans.values(), key=lambda p: p.input_bytes)
+
+    def _view_near(self, input_bytes: int) -> Optional[KeepView]:
+        if not self.views:
+            return None
+        return min(self.views.values(), key=lambda v: (abs(v.input_bytes - input_bytes),
+                                                       -v.input_bytes))
+
+    # ------------------------------------------------------------------ step end
+    def end_step(self, profile, calls: list, ok: bool) -> None:
+        """Learn from the step: a keep view, selective figures; plan its key when needed."""
+        if not ok or self.budget is None or self.key is None or not calls:
+            return
+        first = {}
+        for c in calls:                      # the first call of each block (one per step)
+            first.setdefault(c.block, c)
+        calls = list(first.values())
+        if profile.detailed and all(c.mode == "keep" for c in calls):
+            self._learn_view(profile, calls)
+        if self.probing is not None:
+            self._learn_selective(calls)
+        plan = self.plans.get(self.key)
+        if (plan is None or (not plan.measured and self.key in self.views)
+                or _moved(plan.budget, self.budget)):
+            self._make(self.key)
+
+    def _learn_view(self, profile, calls: list) -> None:
+        d2h, h2d = self.bandwidth_fn()
+        tl = profile.to_timeline(d2h, h2d)
+        blocks = [Block(c.first_record, max(c.first_record, c.end_record),
+                        c.forward_seconds or 0.0, c.input_bytes,
+                        eligible=c.block >= len(self.eligible) or self.eligible[c.block])
+                  for c in calls]
+        self.views[self.key] = KeepView(tl, blocks, [c.block for c in calls], self.input_bytes)
+
+    def _learn_selective(self, calls: list) -> None:
+        b = self.probing
+        self._probe, self._probed = None, True
+        call = next((c for c in calls if c.block == b and c.mode == "selective"), None)
+        view = self._view_near(self.input_bytes)
+        if call is None or view is None or b not in view.block_ids or not call.recompute_seconds:
+            return
+        blk = view.blocks[view.block_ids.index(b)]
+        scale = self.input_bytes / max(1, view.input_bytes)
+        kept = working_set(view.profile, blk) * scale
+        fwd = blk.forward_seconds * scale
+        if kept <= 0 or fwd <= 0:
+            return
+        self.sel_bytes_ratio = call.selective_bytes / kept
+        self.sel_seconds_ratio = call.recompute_seconds / fwd
+        self.plans.clear()                   # every key is planned again with selective known
+
+    def _make(self, key: int) -> None:
+        view = self.views.get(key)
+        measured = view is not None
+        if view is None:
+            view = self._view_near(self.input_bytes)
+            if view is None:
+                return
+            view = _scaled(view, self.input_bytes / max(1, view.input_bytes), self.input_bytes)
+        d2h, h2d = self.bandwidth_fn()
+        prof = replace(view.profile, d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d)
+        blocks = [self._with_selective(prof, blk) for blk in view.blocks]
+        hp = plan_hybrid(prof, blocks, self.budget)
+        modes = dict(zip(view.block_ids, hp.modes))
+        self.plans[key] = ModePlan(modes, dict(zip(view.block_ids, hp.working_set)),
+                                   view.input_bytes, self.budget, measured, hp)
+        if (not self._probed and self._probe is None and self.sel_bytes_ratio is None
+                and "full" in hp.modes):
+            # The last full block in forward order: its kept outputs are held the shortest
+            # (its backward comes first), and then only as part of its working set.
+            self._probe = max(b for b, m in modes.items() if m == "full")
+
+    def _with_selective(self, prof: Profile, blk: Block) -> Block:
+        if self.sel_bytes_ratio is None:
+            return blk
+        kept = working_set(prof, blk)
+        return replace(blk, selective_bytes=int(kept * self.sel_bytes_ratio),
+                       selective_seconds=blk.forward_seconds * self.sel_seconds_ratio)
+
+
+def _moved(planned: int, now: int) -> bool:
+    return abs(now - planned) > REPLAN_BUDGET_CHANGE * max(1, planned)
+
+
+def _scaled(view: KeepView, f: float, input_bytes: int) -> KeepView:
+    """The keep view of another size: bytes and times in proportion (attention's quadratic part
+    is not modelled; the guard covers the difference)."""
+    p = view.profile
+    spans = tuple(Span(int(sp.nbytes * f), sp.save, sp.use, sp.movable) for sp in p.spans)
+    prof = replace(p, compute=tuple(c * f for c in p.compute), spans=spans,
+                   reserve=tuple(int(r * f) for r in p.reserve))
+    blocks = [replace(b, forward_seconds=b.forward_seconds * f,
+                      input_bytes=int(b.input_bytes * f)) for b in view.blocks]
+    return KeepView(prof, blocks, view.block_ids, input_bytes)

@@ -1,0 +1,380 @@
+"""Apply a swap plan, adapt it to changing operator sequences, and fall back to the guard.
+
+``ChameleonPolicy`` (``policy="chameleon"``) is the paper's loop: every step is profiled cheaply;
+at its end the step's signature is looked up in a bounded LRU ``PlanCache``; a signature with no
+plan gets one from the planner (from estimated slot times at once, refined by a detailed, timed
+step when it comes back); a signature seen before goes straight to its cached plan.
+
+Within a step the plan is found while the step runs, since its signature is known only at the end:
+every cached plan whose event sequence agrees with the events so far stays a candidate, and the
+most recently used one is applied, tensor by tensor, by save position. When no candidate agrees
+any more, tensors are matched to the closest plan's entries by ``TensorKey`` (module, call and
+saved ordinal, dtype, shape with varying dimensions tolerated), never by address.
+
+Whatever matches nothing goes to the guard, and the guard holds the budget whatever the plan says:
+a stale plan costs speed, never the budget (LESSONS 6).
+
+``StaticPolicy`` (``policy="static"``) is the contrast baseline of warm-up-frozen peers: the same
+planner, run once on the first step after warm-up, then applied by save position forever.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Optional
+
+from ..runtime.executor import HOST, OFFLOADING, RESIDENT, Executor, Record
+from .guard import GuardPolicy
+from .block_modes import BlockModes
+from ..planning.cache import DEFAULT_PLAN_CACHE_SIZE, PlanCache, PlanEntry, compile_plan
+
+RECENT_STEPS = 4          # an estimated plan used this recently earns a detailed step
+FIT_COVERAGE = 0.9        # share of saved bytes a plan must match to be kept for a new sequence
+
+
+class ChameleonPolicy:
+    name = "chameleon"
+    adaptive = True
+    recomputes = True         # with a model, blocks run keep / selective / full per its plans
+
+    def __init__(self, ex: Executor, cache_size: int = DEFAULT_PLAN_CACHE_SIZE) -> None:
+        self.ex = ex
+        self.guard = GuardPolicy(ex)
+        self.cache = PlanCache(cache_size)
+        self.bandwidth_fn = None            # () -> (d2h, h2d) bytes/s, set by the engine
+        # Block modes (keep / selective / full) when the engine was given a model.
+        self.modes = BlockModes(lambda: self.bandwidth_fn())
+        self.step_no = 0
+        self._want_detail = True            # the very first step is timed
+        self._prev_sig: Optional[str] = None
+        self.planner_seconds = 0.0
+        self._reset_step()
+
+    # ------------------------------------------------------------------ step boundaries
+    def _reset_step(self) -> None:
+        self._alive: list[PlanEntry] = []   # plans whose events agree with this step's so far
+        self._checked = 0                   # events compared against the alive plans
+        self._active: Optional[PlanEntry] = None
+        self._fuzzy: Optional[PlanEntry] = None
+        self._span_of: dict[int, int] = {}  # record index -> span of the applied plan
+        self._rec_of: dict[int, Record] = {}  # span -> record
+        self._taken: set[int] = set()       # spans matched in fuzzy mode
+        self._kept: deque[Record] = deque()   # records the plan keeps resident (earliest first)
+        self._pending: list[int] = []       # spans whose copy back found no room yet
+        self._ended_forward = False
+        self._applied: Optional[PlanEntry] = None
+        self._fuzzy_used = False
+        self._plan_bytes = 0                # matched spans: their bytes in the plan ...
+        self._step_bytes = 0                # ... and this step's bytes of the same tensors
+        self._fuzzy_moved = 0               # bytes moved on a fuzzily matched plan's word
+        self.overrides = 0                  # planned-resident records the guard had to move
+
+    def wants_detail(self) -> bool:
+        # Timings serve the planner only, which never runs without a budget: with none, every
+        # step is lightweight (the first step with a budget is then the timed one).
+        return self._want_detail and self.ex.budget is not None
+
+    def begin_step(self) -> None:
+        self.guard.begin_step()
+        self._reset_step()
+        self.modes.begin_step(self.ex.budget)
+        self._alive = self.cache.entries()
+        self._fuzzy = self._alive[0] if self._alive else None
+        self._active = self._alive[0] if self._alive else None
+
+    # ------------------------------------------------------------------ which plan
+    def _follow(self) -> None:
+        """Keep the plans whose event ids agree with this step's events so far."""
+        ids = self.ex.profiler.ids
+        n = len(ids)
+        if self._checked == n or not self._alive:
+            self._checked = n
+            return
+        lo = self._checked
+        alive = [e for e in self._alive if len(e.ids) >= n and e.ids[lo:n] == ids[lo:n]]
+        self._checked = n
+        if alive:
+            if alive[0] is not self._active:
+                self._active = alive[0]
+                self._span_of = {i: i for i in self._span_of}   # spans are save positions
+                self._rec_of = {r.index: r for r in self._rec_of.values()}
+        elif self._active is not None:
+            # No plan agrees any more: match the rest by key against the one that agreed longest.
+            self._fuzzy = self._active
+            self._taken = set(self._span_of.values())
+            self._fuzzy_used = bool(self._span_of)
+            self._active = None
+        self._alive = alive
+
+    def _span_for(self, rec: Record) -> Optional[int]:
+        self._follow()
+        if self._active is not None:
+            self._applied = self._active
+            return rec.index if rec.index < self._active.n_forward else None
+        plan = self._fuzzy
+        if plan is None or rec.key is None:
+            return None
+        span = plan.index.find(rec.key)
+        if span is None or span in self._taken:
+            return None
+        self._taken.add(span)
+        self._applied = plan
+        self._fuzzy_used = True
+        return span
+
+    def _plan(self) -> Optional[PlanEntry]:
+        return self._active if self._active is not None else (self._fuzzy if self._fuzzy_used else None)
+
+    # ------------------------------------------------------------------ forward
+    def make_room(self, rec: Record) -> None:
+        ex = self.ex
+        g = self.guard
+        # The guard underneath keeps room for one more tensor of the largest size seen, for the
+        # records no plan covers: it must see every save, not only those that find no room.
+        g._largest = max(g._largest, rec.nbytes)
+        target = ex.budget - ex.recompute_reserve - rec.nbytes
+        if ex.resident_bytes <= target:
+            return
+        g._offload_down_to(target, include_small=True)       # unplanned records first
+        staying = ex.resident_bytes - ex.inflight_out_bytes
+        while staying > target and self._kept:
+            old = self._kept.popleft()
+            if old.state == RESIDENT and old.counted:
+                self.overrides += 1
+                ex.offload(old)
+                g._inflight.append(old)
+                staying -= old.nbytes
+        while ex.resident_bytes > target and g._inflight:
+            old = g._inflight.popleft()
+            if old.state != HOST and old.out_ticket is not None and not old.out_ticket.done():
+                ex.wait_offload(old)
+            else:
+                ex.copy.poll()
+
+    def after_save(self, rec: Record) -> None:
+        if self.ex.budget is None:
+            return
+        span = self._span_for(rec)
+        plan = self._plan()
+        if span is None or plan is None:
+            self.guard.after_save(rec)
+            return
+        self._span_of[rec.index] = span
+        self._rec_of[span] = rec
+        if span < len(plan.nbytes):
+            self._plan_bytes += plan.nbytes[span]
+            self._step_bytes += rec.nbytes
+        if plan.move[span] and (self._active is not None or self._fuzzy_wants_more(plan)):
+            if rec.state == RESIDENT and rec.counted:
+                self.ex.offload(rec)
+                self.guard._inflight.append(rec)
+                if self._active is None:
+                    self._fuzzy_moved += rec.nbytes
+        else:
+            self._kept.append(rec)
+        if self._active is not None and rec.index == plan.n_forward - 1:
+            self._forward_end()
+
+    def _fuzzy_wants_more(self, plan: PlanEntry) -> bool:
+        """A plan made for another sequence says "move this one": worth it only while this step
+        has moved less than it must. Its tensors so far, against the plan's for the same spans,
+        scale the plan's natural peak to this step's; what must go is that minus the budget,
+        with the plan's own margin (moved over needed) on top. A plan for long sequences
+        applied to a short one moves nothing when the short step fits; the guard still holds
+        the budget if the estimate was low."""
+        if self._plan_bytes <= 0:
+            return True
+        natural = sum(plan.nbytes) * self._step_bytes / self._plan_bytes
+        need = natural - self.ex.budget
+        plan_need = sum(plan.nbytes) - plan.budget_bytes
+        if plan_need > 0:
+            need *= max(1.0, plan.moved_bytes / plan_need)
+        return self._fuzzy_moved < need
+
+    # ------------------------------------------------------------------ backward
+    def _forward_end(self) -> None:
+        if self._ended_forward:
+            return
+        self._ended_forward = True
+        plan = self._plan()
+        if plan is not None:
+            self._issue(plan.at_forward_end)
+
+    def _issue(self, spans: list[int]) -> None:
+        ex = self.ex
+        pending = self._pending + list(spans)
+        self._pending = []
+        room = ex.budget - ex.resident_bytes - ex.recompute_reserve
+        for j in pending:
+            rec = self._rec_of.get(j)
+            if rec is None or rec.used or rec.failed:
+                continue                          # unmatched (the guard's) or needed already
+            if rec.state == OFFLOADING:
+                self._pending.append(j)           # still on its way out: retry later
+                continue
+            if rec.state != HOST:
+                continue                          # on the device already, or released
+            if rec.nbytes > room:
+                self._pending.append(j)
+                continue
+            ex.prefetch(rec)
+            room -= rec.nbytes
+
+    def on_first_use(self, rec: Record) -> None:
+        if self.ex.budget is None:
+            return
+        self._forward_end()
+        plan = self._plan()
+        span = self._span_of.get(rec.index)
+        if plan is not None and span is not None:
+            self._issue(plan.triggers.get(span, []))
+        elif self._pending:
+            self._issue([])
+
+    def on_unpack(self, rec: Record) -> None:
+        self.guard.on_unpack(rec)
+
+    def on_backward_trigger(self) -> None:
+        if self.ex.budget is None:
+            return
+        self._forward_end()
+        if self._pending:
+            self._issue([])
+        self.guard.on_backward_trigger()
+
+    def make_room_backward(self, rec: Record) -> bool:
+        return self.guard.make_room_backward(rec)
+
+    # ------------------------------------------------------------------ step end: adapt
+    def report(self) -> dict:
+        """What the engine puts into StepStats for this step."""
+        return self._report
+
+    def end_step(self, profile=None) -> None:
+        self.guard.end_step()
+        applied = self._applied
+        source = "guard"
+        if applied is not None:
+            if profile is not None and applied.signature == profile.signature and not self._fuzzy_used:
+                source = "planned" if applied.signature == self._prev_sig else "cache"
+            else:
+                source = "planned"
+            applied.last_used = self.step_no
+        self._report = {"plan_source": source,
+                        "predicted_stall_seconds": None if applied is None
+                        else applied.predicted_stall_seconds,
+                        "plan_overrides": self.overrides}
+        if profile is not None and profile.n_forward > 0 and self.ex.budget is not None:
+            self._adapt(profile)
+            self._prev_sig = profile.signature
+        if profile is not None and profile.blocks:
+            t0 = time.perf_counter()         # mode planning counts as planning time too
+            self.modes.end_step(profile, profile.blocks, ok=True)
+            self.planner_seconds += time.perf_counter() - t0
+        self.step_no += 1
+
+    def block_mode(self, b: int, input_bytes: int) -> str:
+        """The mode block ``b`` runs in now (asked by the recompute runner at its start)."""
+        mode = self.modes.mode(b, input_bytes)
+        self.ex.recompute_reserve = self.modes.ahead()
+        return mode
+
+    def working_set(self, b: int) -> int:
+        """Bytes to hold while block ``b``'s recompute and backward run (asked as it begins)."""
+        ws = self.modes.working_set(b)
+        self.ex.recompute_reserve = self.modes.ahead()
+        return ws
+
+    def _fits(self, profile) -> bool:
+        """The applied plan stood for (nearly) all of this step's saved bytes."""
+        if self._applied is None:
+            return False
+        matched = sum(profile.nbytes[i] for i in self._span_of if i < len(profile.nbytes))
+        return matched >= FIT_COVERAGE * sum(profile.nbytes)
+
+    def _miss(self) -> bool:
+        return self.overrides > 0 or self.ex.stats.forced_offloads > 0
+
+    def _adapt(self, profile) -> None:
+        entry = self.cache.get(profile.signature)
+        miss = self._miss()
+        if entry is None and not miss and self._fits(profile):
+            # A sequence new in detail, but the plan applied to it (by keys) held without the
+            # guard's help: like the paper, keep it instead of planning again (MoE routing makes
+            # a new signature nearly every step; planning each costs more than it saves).
+            return
+        if entry is None or (profile.detailed and (not entry.detailed or miss)):
+            self.cache.put(self._make(profile))
+        # Detail is wanted when a plan was missed, or a plan still made from estimates has
+        # been in use lately (a recurring sequence gets timed once, then runs from cache).
+        recent = [e for e in self.cache.entries() if self.step_no - e.last_used < RECENT_STEPS]
+        self._want_detail = (miss and not profile.detailed) or any(not e.detailed for e in recent)
+
+    def _make(self, profile) -> PlanEntry:
+        from ..planning.swaps import plan as make_plan
+        t0 = time.perf_counter()
+        d2h, h2d = self.bandwidth_fn()
+        tl_plan = make_plan(profile.to_timeline(d2h, h2d), self.ex.budget)
+        entry = compile_plan(profile, tl_plan, self.step_no)
+        self.planner_seconds += time.perf_counter() - t0
+        return entry
+
+
+class StaticPolicy(ChameleonPolicy):
+    """Profile once after warm-up, freeze the plan, apply it by save position, never adapt."""
+
+    name = "static"
+    adaptive = False
+    recomputes = False        # the frozen-schedule baseline stays swap-only
+    WARMUP_STEPS = 1
+
+    def __init__(self, ex: Executor, cache_size: int = DEFAULT_PLAN_CACHE_SIZE) -> None:
+        super().__init__(ex, cache_size)
+        self.frozen: Optional[PlanEntry] = None
+        self._want_detail = False
+
+    def wants_detail(self) -> bool:
+        return self.frozen is None and self.step_no >= self.WARMUP_STEPS and self.ex.budget is not None
+
+    def begin_step(self) -> None:
+        self.guard.begin_step()
+        self._reset_step()
+
+    def _span_for(self, rec: Record) -> Optional[int]:
+        f = self.frozen
+        if f is None or rec.index >= f.n_forward:
+            return None
+        self._applied = f
+        return rec.index                      # by position, whatever the tensor is
+
+    def _plan(self) -> Optional[PlanEntry]:
+        return self.frozen
+
+    def after_save(self, rec: Record) -> None:
+        if self.ex.budget is None:
+            return
+        span = self._span_for(rec)
+        if span is None:
+            self.guard.after_save(rec)
+            return
+        self._span_of[rec.index] = span
+        self._rec_of[span] = rec
+        if self.frozen.move[span]:
+            if rec.state == RESIDENT and rec.counted:
+                self.ex.offload(rec)
+                self.guard._inflight.append(rec)
+        else:
+            self._kept.append(rec)
+        if rec.index == self.frozen.n_forward - 1:
+            self._forward_end()
+
+    def end_step(self, profile=None) -> None:
+        self.guard.end_step()
+        self._report = {"plan_source": "planned" if self._applied is not None else "guard",
+                        "predicted_stall_seconds": None if self._applied is None
+                        else self._applied.predicted_stall_seconds,
+                        "plan_overrides": self.overrides}
+        if (self.frozen is None and profile is not None and profile.detailed
+                and profile.n_forward > 0 and self.ex.budget is not None):
+            self.frozen = self._make(profile)
+        self.step_no += 1

@@ -1,0 +1,461 @@
+"""Recompute mechanism: find a model's repeated blocks and run each block call in one of three modes.
+
+* keep: the block's own forward; everything it saves goes through the engine's saved-tensor hooks.
+* full: non-reentrant ``torch.utils.checkpoint``. Only the call's inputs are saved, and they are
+  saved outside checkpoint's own hook (``_CheckpointFrame.save_inputs`` runs before
+  ``_checkpoint_hook`` is entered), so they reach the engine's pack hook and may be swapped like any
+  other saved tensor. Tensors passed in keyword arguments (or in tuples) are handed to checkpoint
+  as positional inputs, so they are saved through the hooks too instead of hiding in a closure.
+* selective: the same, with selective checkpointing that keeps the outputs of matmuls and
+  attention and recomputes the rest. Checkpointing keeps those outputs in its own storage, which the
+  engine's hooks never see: their bytes are *held* on the accountant until the block's recompute
+  ends.
+
+Which mode a call runs is not decided here: ``mode_fn(block_index)`` is asked for each call.
+Recompute runs the same code on the same inputs with the RNG state and autocast state of the
+forward (checkpoint restores them), so gradients are bit-for-bit those of the plain step. A block
+with the user's own checkpointing inside is left as the user wrote it (always keep): found from
+``gradient_checkpointing`` flags (transformers) on the block, inside it or above it, and at run
+time when a module inside the block starts under other saved-tensor hooks than the block did (a
+non-reentrant checkpoint or ``save_on_cpu`` of the user's). A reentrant checkpoint saves nothing
+inside and is not seen; nested in ours it stays correct, it only recomputes twice.
+
+Limits: a selective block can be backwarded once per forward (torch's selective checkpointing
+refuses a second backward with ``retain_graph``; full blocks recompute again). A kept output that
+is also saved through the hooks later (a block ending in a matmul whose output the next block
+saves) is counted twice: too much, never too little. Under ``torch.compile`` tracing, blocks run
+plainly.
+
+Why one file (over 400 lines): the three modes share one block call wrapper, one RNG capture and
+one set of entries in the executor's books (kept outputs, working sets); a mode split into its own
+module would reach back into the wrapper's state.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from . import selective
+from .blocks import find_blocks
+from ..runtime.profiler import _CpuClock
+from ..runtime._eager import is_compiling as _is_compiling
+from ..runtime._eager import top_saved_hooks as _top_hooks
+
+MODES = ("keep", "selective", "full")
+__all__ = ["MODES", "BlockCall", "BlockRunner", "find_blocks"]
+
+# Keyword arguments through which a block updates a KV cache: recomputing such a call would update
+# the cache twice, so those calls run keep.
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
+
+
+
+# --------------------------------------------------------------------------- what ran
+@dataclass
+class BlockCall:
+    """One call of one block during a step, as it ran."""
+    block: int                 # index into BlockRunner.blocks
+    mode: str                  # the mode that ran (keep for ineligible blocks and KV-cache calls)
+    input_bytes: int           # distinct storage bytes of the call's tensor args/kwargs
+    first_record: int          # index_fn() at block entry and exit: the records saved inside the
+    end_record: int            #   call through the engine's hooks are [first_record, end_record)
+    forward_seconds: Optional[float] = None     # detailed steps only
+    recompute_seconds: Optional[float] = None   # when it was recomputed in backward
+    selective_bytes: int = 0   # bytes kept by selective checkpointing (held)
+    recomputed_bytes: int = 0  # bytes held for the recompute working set (working_set_fn)
+
+
+class _Live:
+    """A checkpointed call's outstanding holds and recompute marks during its step."""
+    __slots__ = ("call", "step", "device", "seen", "sel_tokens", "ws_token", "__weakref__")
+
+    def __init__(self, call: BlockCall, step: int, device: Optional[torch.device]) -> None:
+        self.call, self.step, self.device = call, step, device
+        self.seen: Optional[weakref.WeakSet] = weakref.WeakSet()   # storages held (forward only)
+        self.sel_tokens: list = []
+        self.ws_token = None
+
+
+# --------------------------------------------------------------------------- the runner
+class BlockRunner:
+    """Run each call of ``blocks`` (see ``find_blocks``) in the mode ``mode_fn(block_index)``
+    returns, between ``begin_step`` and ``end_step``, once ``install()`` wrapped their forwards.
+
+    Args:
+        mode_fn: ``mode_fn(block_index) -> str`` in ``MODES``, asked at each call made while a step
+            is active and grad is enabled, for eligible blocks only (ineligible blocks and calls
+            that carry a KV cache run keep, unasked). Otherwise the block runs plainly.
+        accountant: ``hold(nbytes) -> token`` and ``release_hold(token)`` (or ``release(token)``):
+            counts bytes the engine's saved-tensor hooks cannot see (an ``Executor``).
+        clock: ``mark() -> marker`` and ``seconds(markers) -> list[float]`` (the profiler's
+            clocks); None: ``time.perf_counter``.
+        index_fn: ``() -> int``, the accountant's next record index; None reads
+            ``accountant.next_index``.
+
+    ``working_set_fn(block_index) -> int`` (None: 0) gives the bytes to hold while a block's
+    recompute and backward run; the hold starts with the recompute and ends when the gradient of
+    the call's first grad-requiring non-leaf input is ready, else at the next block's recompute,
+    else at ``end_step``.
+    """
+
+    def __init__(self, model: nn.Module, blocks=None, *, mode_fn: Callable[[int], str],
+                 accountant, clock=None, index_fn: Optional[Callable[[], int]] = None) -> None:
+        self.blocks = find_blocks(model, blocks)
+        if not callable(mode_fn):
+            raise TypeError(f"mode_fn must be a callable block_index -> one of {MODES}; "
+                            f"got {type(mode_fn).__name__}")
+        release = getattr(accountant, "release_hold", None) or getattr(accountant, "release", None)
+        if not callable(getattr(accountant, "hold", None)) or not callable(release):
+            raise TypeError("accountant must have hold(nbytes) -> token and release_hold(token) "
+                            f"(or release(token)); got {type(accountant).__name__}")
+        if index_fn is None:
+            if not hasattr(accountant, "next_index"):
+                raise TypeError("index_fn must be a callable () -> int when the accountant has "
+                                "no next_index attribute")
+            index_fn = lambda: accountant.next_index  # noqa: E731
+        elif not callable(index_fn):
+            raise TypeError(f"index_fn must be a callable () -> int or None; got "
+                            f"{type(index_fn).__name__}")
+        self.model = model
+        self.mode_fn = mode_fn
+        self.working_set_fn: Optional[Callable[[int], int]] = None
+        self.input_bytes = 0                # the running call's input bytes (set before mode_fn)
+        self._hold, self._release, self._index = accountant.hold, release, index_fn
+        self.clock = clock if clock is not None else _CpuClock()
+        names = {id(m): n for n, m in model.named_modules()}
+        # Modules on the path from the model to each block: a gradient_checkpointing flag there
+        # (older transformers set it on the decoder, not on its layers) checkpoints the block too.
+        self._ancestors = [[model.get_submodule(".".join(names[id(b)].split(".")[:k]))
+                            for k in range(names[id(b)].count(".") + 1)] for b in self.blocks]
+        self._user_ckpt = [False] * len(self.blocks)   # seen checkpointing inside, at run time
+        self.eligible: list[bool] = []
+        self._refresh_eligible()
+        self._saved: dict[int, tuple] = {}           # block index -> (wrapper, previous attr)
+        self._probe_handle = None
+        self._probe: Optional[tuple] = None          # (block index, hooks on top at its entry)
+        self._recomputes = 0
+        self._active = self._detailed = False
+        self._step = 0
+        self._depth = 0
+        self._calls: list[BlockCall] = []
+        self._live: list[_Live] = []
+        self._open_ws: list[_Live] = []
+        self._timed: list[tuple] = []                # (call, "forward"|"recompute", start, end)
+
+    @property
+    def in_step(self) -> bool:
+        """Between begin_step() and end_step()."""
+        return self._active
+
+    @property
+    def recomputing(self) -> bool:
+        """True while a block's recompute forward runs (in backward)."""
+        return self._recomputes > 0
+
+    def _refresh_eligible(self) -> None:
+        # In place: a caller holding the list sees it change.
+        self.eligible[:] = [not self._user_ckpt[i] and not any(
+            getattr(m, "gradient_checkpointing", False) is True
+            for m in (*self._ancestors[i], *b.modules())) for i, b in enumerate(self.blocks)]
+
+    # ------------------------------------------------------------------ install / remove
+    def install(self) -> None:
+        """Wrap each block's forward (an instance attribute over the class's); idempotent."""
+        for i, b in enumerate(self.blocks):
+            if i not in self._saved:
+                prev = b.__dict__.get("forward", _MISSING)
+                wrapper = _wrap(self, i, b.forward)
+                b.__dict__["forward"] = wrapper
+                self._saved[i] = (wrapper, prev)
+        if self._probe_handle is None and _top_hooks is not None:
+            ref = weakref.ref(self)
+            self._probe_handle = nn.modules.module.register_module_forward_pre_hook(
+                lambda module, args: _probe(ref, module))
+
+    def remove(self) -> None:
+        """Put back exactly the forwards ``install`` found (a forward someone else set over ours
+        since is left alone); idempotent."""
+        for i, (wrapper, prev) in self._saved.items():
+            d = self.blocks[i].__dict__
+            if d.get("forward") is wrapper:
+                if prev is _MISSING:
+                    del d["forward"]
+                else:
+                    d["forward"] = prev
+        self._saved = {}
+        if self._probe_handle is not None:
+            self._probe_handle.remove()
+            self._probe_handle = None
+
+    def __enter__(self) -> "BlockRunner":
+        self.install()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    # ------------------------------------------------------------------ steps
+    def begin_step(self, detailed: bool) -> None:
+        if self._active:
+            raise RuntimeError("BlockRunner.begin_step() was called twice without end_step()")
+        self._step += 1
+        self._active, self._detailed = True, bool(detailed)
+        # No block runs or recomputes between steps: counts an interrupt left unbalanced go.
+        self._depth = self._recomputes = 0
+        self._refresh_eligible()     # the user may have turned gradient checkpointing on or off
+        self._calls, self._timed = [], []
+
+    def end_step(self, failed: bool) -> list[BlockCall]:
+        """What ran this step. Releases every hold of this step still outstanding. Timings are
+        read from the clock here (on CUDA, after the caller synchronized); none after a failure."""
+        self._active = False
+        for live in self._live:
+            self._release_all(live)
+        self._live, self._open_ws = [], []
+        timed, self._timed = self._timed, []
+        if not failed and timed:
+            secs = self.clock.seconds([m for t in timed for m in t[2:]])
+            for k, (call, what, _, _) in enumerate(timed):
+                d = secs[2 * k + 1] - secs[2 * k]
+                if what == "forward":
+                    call.forward_seconds = d
+                else:
+                    call.recompute_seconds = (call.recompute_seconds or 0.0) + d
+        calls, self._calls = self._calls, []
+        return calls
+
+    # ------------------------------------------------------------------ one call
+    def _wants(self) -> bool:
+        return (self._active and self._depth == 0 and not self._recomputes
+                and torch.is_grad_enabled() and not _is_compiling())
+
+    def _call(self, i: int, orig, args: tuple, kwargs: dict):
+        mode = "keep"
+        flat, rebuild = _flatten(args, kwargs)
+        self.input_bytes = _storage_bytes(flat)      # what mode_fn may read: this call's size
+        if self.eligible[i] and not any(kwargs.get(k) is not None for k in _CACHE_KWARGS):
+            mode = self.mode_fn(i)
+            if mode not in MODES:
+                raise ValueError(f"mode_fn({i}) must return one of {MODES}; got {mode!r}")
+        call = BlockCall(i, mode, self.input_bytes, self._index(), -1)
+        self._calls.append(call)
+        start = self.clock.mark() if self._detailed else None
+        self._depth += 1
+        try:
+            if not self.eligible[i]:
+                out = orig(*args, **kwargs)
+            elif mode == "keep":
+                out = self._probed(i, orig, args, kwargs)
+            else:
+                out = self._checkpointed(i, orig, flat, rebuild, call)
+        finally:
+            self._depth -= 1
+            call.end_record = self._index()
+        if start is not None:
+            self._timed.append((call, "forward", start, self.clock.mark()))
+        return out
+
+    def _probed(self, i: int, fn, args, kwargs):
+        """Run ``fn`` with the saved-tensor hooks on top remembered, so that a module inside it
+        that starts under other hooks (the user's own checkpoint) makes block ``i`` ineligible."""
+        prev = self._probe
+        self._probe = (i, _top_hooks(False)) if _top_hooks is not None else None
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._probe = prev
+
+    def _checkpointed(self, i: int, orig, flat: list, rebuild, call: BlockCall):
+        live = _Live(call, self._step, flat[0].device if flat else None)
+        self._live.append(live)
+
+        def run(*tensors):
+            a, k = rebuild(tensors)
+            return orig(*a, **k) if self._recomputes else self._probed(i, orig, a, k)
+
+        if call.mode == "selective":
+            forward_ctx, recompute_ctx = selective.selective_contexts(
+                functools.partial(self._keep_out, live))
+        else:
+            forward_ctx, recompute_ctx = contextlib.nullcontext(), None
+        ctx = _Recompute(self, live, recompute_ctx)
+        out = checkpoint(run, *flat, use_reentrant=False, preserve_rng_state=True,
+                         context_fn=lambda: (forward_ctx, ctx))
+        live.seen = None
+        for t in flat:
+            if t.requires_grad and t.grad_fn is not None:
+                # A hook on a leaf would outlive the step; on a non-leaf it dies with the graph.
+                t.register_hook(functools.partial(_input_grad_ready, weakref.ref(self), live))
+                break
+        return out
+
+    def _keep_out(self, live: _Live, out) -> None:
+        """Hold the bytes of an output selective checkpointing keeps (once per storage)."""
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if not isinstance(t, torch.Tensor) or live.seen is None:
+                continue
+            if live.device is not None and t.device != live.device:
+                continue          # e.g. the RNG seed tensors flash attention returns on the host
+            s = t.untyped_storage()
+            n = s.nbytes()
+            if n and s not in live.seen:
+                live.seen.add(s)
+                live.sel_tokens.append(self._hold(n))
+                live.call.selective_bytes += n
+
+    # ------------------------------------------------------------------ recompute and holds
+    def _recompute_begins(self, live: _Live) -> Optional[object]:
+        for other in self._open_ws:
+            self._release_ws(other)
+        self._open_ws = []
+        n = self.working_set_fn(live.call.block) if self.working_set_fn is not None else 0
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"working_set_fn({live.call.block}) must return bytes as an int "
+                             f">= 0; got {n!r}")
+        # The outputs selective checkpointing kept are part of what the block's backward needs:
+        # the recompute re-creates only the rest, and the kept ones stay held until the
+        # block's backward is done (they are consumed by it, not freed by the recompute).
+        rest = max(0, n - live.call.selective_bytes)
+        if live.ws_token is None and live not in self._open_ws and (rest or live.sel_tokens):
+            if rest:
+                live.ws_token = self._hold(rest)
+            live.call.recomputed_bytes = n
+            self._open_ws.append(live)
+        return self.clock.mark()
+
+    def _recompute_ends(self, live: _Live, start) -> None:
+        self._timed.append((live.call, "recompute", start, self.clock.mark()))
+
+    def _release_ws(self, live: _Live) -> None:
+        """The block's backward is done: its working set and kept outputs are gone."""
+        if live.ws_token is not None:
+            token, live.ws_token = live.ws_token, None
+            self._release(token)
+        for token in live.sel_tokens:
+            self._release(token)
+        live.sel_tokens = []
+
+    def _release_all(self, live: _Live) -> None:
+        self._release_ws(live)
+
+
+class _Recompute:
+    """checkpoint's recompute context: marks the runner as recomputing, times the recompute and
+    starts the block's working-set hold (only for a recompute inside the call's own step)."""
+
+    def __init__(self, runner: BlockRunner, live: _Live, inner) -> None:
+        self.runner, self.live, self.inner, self.start = runner, live, inner, None
+
+    def __enter__(self):
+        r = self.runner
+        r._recomputes += 1
+        try:
+            if r._active and self.live.step == r._step:
+                self.start = r._recompute_begins(self.live)
+            if self.inner is not None:
+                self.inner.__enter__()
+        except BaseException:
+            r._recomputes -= 1
+            raise
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        r = self.runner
+        try:
+            if self.inner is not None:
+                self.inner.__exit__(*exc)
+        finally:
+            r._recomputes -= 1
+            if self.start is not None:
+                start, self.start = self.start, None
+                r._recompute_ends(self.live, start)
+        return False
+
+
+# --------------------------------------------------------------------------- helpers
+_MISSING = object()
+
+
+def _wrap(runner: BlockRunner, i: int, orig):
+    ref = weakref.ref(runner)
+
+    @functools.wraps(orig)
+    def forward(*args, **kwargs):
+        r = ref()
+        if r is None or not r._wants():
+            return orig(*args, **kwargs)
+        return r._call(i, orig, args, kwargs)
+    return forward
+
+
+def _probe(ref, module) -> None:
+    r = ref()
+    if r is None or r._probe is None or r._recomputes:
+        return
+    i, top = r._probe
+    now = _top_hooks(False)
+    if not (now is top or (now is not None and top is not None
+                           and now[0] is top[0] and now[1] is top[1])):
+        r._user_ckpt[i] = True
+        r.eligible[i] = False
+
+
+def _input_grad_ready(ref, live: _Live, grad) -> None:
+    r = ref()
+    if r is not None:
+        r._release_ws(live)
+        if live in r._open_ws:
+            r._open_ws.remove(live)
+
+
+class _Slot:
+    __slots__ = ("i",)
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+
+def _flatten(args: tuple, kwargs: dict):
+    """The tensors of a call (in args, kwargs values and tuples in them) and a function that
+    rebuilds ``(args, kwargs)`` from them. Lists, dicts and other objects are passed as they are
+    (a block may mutate them), their tensors included."""
+    tensors: list[torch.Tensor] = []
+
+    def split(x):
+        if isinstance(x, torch.Tensor):
+            tensors.append(x)
+            return _Slot(len(tensors) - 1)
+        if type(x) is tuple:
+            return tuple(split(v) for v in x)
+        return x
+
+    spec = (split(args), {k: split(v) for k, v in kwargs.items()})
+
+    def fill(x, ts):
+        if type(x) is _Slot:
+            return ts[x.i]
+        if type(x) is tuple:
+            return tuple(fill(v, ts) for v in x)
+        return x
+
+    def rebuild(ts):
+        return fill(spec[0], ts), {k: fill(v, ts) for k, v in spec[1].items()}
+    return tensors, rebuild
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    seen: list = []
+    total = 0
+    for t in tensors:
+        s = t.untyped_storage()
+        if not any(s is o for o in seen):
+            seen.append(s)
+            total += s.nbytes()
+    return total

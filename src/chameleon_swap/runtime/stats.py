@@ -1,0 +1,152 @@
+"""What ``Chameleon`` reports of its steps: ``StepStats`` (one step), the last few of them and
+running totals.
+
+A training run can last months of steps; keeping every step's figures would grow without bound,
+so ``eng.history`` keeps the last ``history_size`` steps (default 1000) and ``eng.totals`` sums
+every step since the engine was created.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from ..config import format_bytes
+
+
+@dataclasses.dataclass
+class StepStats:
+    """What one ``eng.step()`` did. Bytes are bytes; seconds are wall-clock. On CUDA a step with
+    a budget, or a timed (detailed) one, ends with a synchronization, so its ``step_seconds``
+    include the device's work (the planner scales its slot estimates by it); a step with no
+    budget needs no figure from the device and does not stall the host: its ``step_seconds``
+    are the host's time only, and the device may still be running its tail."""
+
+    step: int
+    budget_bytes: Optional[int]        # this step's activation budget (None: unlimited)
+    peak_resident_bytes: int           # most saved-activation bytes kept on the device at once
+    saved_bytes: int                   # distinct storages saved for backward
+    offloaded_bytes: int               # copied device -> host
+    offloaded_tensors: int
+    prefetched_bytes: int              # copied host -> device ahead of need
+    fetched_bytes: int                 # copied host -> device on demand
+    sync_fetches: int                  # tensors needed before their copy back had arrived
+    late_prefetches: int               # of which: prefetched, but not early enough
+    budget_waits: int                  # times a save had to wait for a copy-out to finish
+    stall_seconds: float               # compute time lost waiting for copies
+    step_seconds: float
+    host_peak_bytes: int               # host buffer bytes in use at most (arena, all steps)
+    skipped_bytes: int                 # parameters/buffers saved: never moved, not counted
+    peak_device_bytes: Optional[int] = None   # CUDA max_memory_allocated, with device_memory_limit
+    # With device_memory_limit (None otherwise): the budget is what the limit leaves once the
+    # step's non-activation memory (logits, gradients, workspaces: the transient) is predicted.
+    min_budget_bytes: Optional[int] = None    # lowest budget in force: below budget_bytes when
+                                              # the step turned out larger than assumed at start
+    predicted_transient_bytes: Optional[int] = None   # predicted for this step's size
+    transient_bytes: Optional[int] = None     # measured: device peak - start - peak resident
+    memory_tightened: bool = False     # the prediction was too small (or the step ran out of
+                                       # memory): later steps leave more room
+    failed: bool = False               # the step ended with an exception
+    # Adaptivity (profiler and plans).
+    sequence_changed: bool = False     # differs from the previous step beyond the thresholds
+    plan_source: str = "guard"         # "guard" | "planned" | "cache"
+    predicted_stall_seconds: Optional[float] = None   # the applied plan's prediction
+    profiler_seconds: float = 0.0      # host time the profiler took during this step
+    profile_mode: str = "lightweight"  # "lightweight" | "detailed" (timed)
+    signature: str = ""                # exact hash of this step's operator sequence
+    plan_overrides: int = 0            # tensors a plan kept that the guard had to move
+    forced_offloads: int = 0           # saves copied out synchronously to hold the budget
+    kept_bytes: int = 0                # copied out but needed before that copy completed: the
+                                       # device copy was used, nothing had to come back
+    host_allocated_bytes: int = 0      # host memory freshly allocated (pinned on CUDA) during the
+                                       # step: new arena slabs; 0 once the arena is warm
+    # Recomputation (with model=): blocks run keep, selective or full this step.
+    recomputed_bytes: int = 0          # activation bytes not kept because their block recomputes
+    recompute_seconds: float = 0.0     # measured forward time repeated in backward
+    block_modes: tuple = ()            # block calls that ran (keep, selective, full); () no model
+    # Weight offload (PipelineChameleon(offload_weights=True)); None without it.
+    weight_peak_bytes: Optional[int] = None   # most block-weight bytes on the device at once,
+                                              # from the first block's forward on
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        parts = [f"step {self.step}",
+                 f"peak {format_bytes(self.peak_resident_bytes)} / {format_bytes(self.budget_bytes)}",
+                 f"out {format_bytes(self.offloaded_bytes)}",
+                 f"back {format_bytes(self.prefetched_bytes + self.fetched_bytes)}",
+                 f"sync {self.sync_fetches}",
+                 f"stall {self.stall_seconds * 1e3:.1f} ms",
+                 f"step {self.step_seconds * 1e3:.1f} ms"]
+        if self.peak_device_bytes is not None:
+            parts.append(f"device peak {format_bytes(self.peak_device_bytes)}")
+        if self.block_modes:
+            k, sel, full = self.block_modes
+            parts.append(f"blocks keep {k}/sel {sel}/full {full}, "
+                         f"recompute {self.recompute_seconds * 1e3:.1f} ms")
+        if self.weight_peak_bytes is not None:
+            parts.append(f"weights peak {format_bytes(self.weight_peak_bytes)}")
+        if self.min_budget_bytes is not None and self.min_budget_bytes != self.budget_bytes:
+            parts.append(f"budget lowered to {format_bytes(self.min_budget_bytes)}")
+        if self.memory_tightened:
+            parts.append("memory tightened")
+        parts.append(self.plan_source + (" (changed)" if self.sequence_changed else ""))
+        return " | ".join(parts)
+
+
+def block_stats(calls: list, with_model: bool) -> dict:
+    """StepStats' recompute figures from the runner's block calls."""
+    if not with_model:
+        return {}
+    modes = [c.mode for c in calls]
+    # What a recomputed block did not keep: what it re-creates, less what it still kept (its
+    # inputs; under selective, also the matmul and attention outputs).
+    return {"recomputed_bytes": sum(max(0, c.recomputed_bytes - c.selective_bytes - c.input_bytes)
+                                    for c in calls if c.mode != "keep"),
+            "recompute_seconds": sum(c.recompute_seconds or 0.0 for c in calls),
+            "block_modes": (modes.count("keep"), modes.count("selective"), modes.count("full"))}
+
+
+class StepHistory(list):
+    """A list of the last ``maxlen`` StepStats, oldest first: appending to a full history drops
+    the oldest. Everything else is a plain list (indexing, slicing, iteration)."""
+
+    def __init__(self, maxlen: int) -> None:
+        super().__init__()
+        self.maxlen = maxlen
+
+    def append(self, stats) -> None:
+        super().append(stats)
+        if len(self) > self.maxlen:
+            del self[0]
+
+
+@dataclasses.dataclass
+class StepTotals:
+    """Sums over every step the engine ran, including those no longer in ``history``."""
+
+    steps: int = 0
+    failed_steps: int = 0
+    saved_bytes: int = 0
+    offloaded_bytes: int = 0
+    prefetched_bytes: int = 0
+    fetched_bytes: int = 0
+    sync_fetches: int = 0
+    forced_offloads: int = 0
+    recomputed_bytes: int = 0
+    stall_seconds: float = 0.0
+    step_seconds: float = 0.0
+    profiler_seconds: float = 0.0
+    peak_resident_bytes: int = 0           # the most of any step
+
+    def add(self, st) -> None:
+        self.steps += 1
+        self.failed_steps += bool(st.failed)
+        for name in ("saved_bytes", "offloaded_bytes", "prefetched_bytes", "fetched_bytes",
+                     "sync_fetches", "forced_offloads", "recomputed_bytes", "stall_seconds",
+                     "step_seconds", "profiler_seconds"):
+            setattr(self, name, getattr(self, name) + getattr(st, name))
+        self.peak_resident_bytes = max(self.peak_resident_bytes, st.peak_resident_bytes)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,130 @@
+"""The end of one step: the books closed, the profile handed to the policy, ``StepStats`` built.
+
+``finish_step`` runs in the engine's ``step()`` ``finally``, whether the step ended normally or
+by an exception. Interrupted anywhere in here, the next step's start (or ``close()``) finishes the
+job (``Executor.settle``).
+"""
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from typing import Optional
+
+import torch
+
+from ..config import format_bytes
+from .stats import StepStats, block_stats
+from ..planning.signatures import similarity
+from .trace import write_step
+
+log = logging.getLogger("chameleon_swap")
+
+
+def finish_step(eng, t0: float, budget: Optional[int], failed: bool,
+                oom: bool = False) -> None:
+    try:
+        counters = eng._ex.end_step(failed)
+        eng._pool.end_step()
+        memory = {}
+        if needs_sync(eng, budget):
+            sync_device(eng.device)
+        if eng.device.type == "cuda" and eng._memory is not None:
+            memory = _end_memory_step(eng, counters, failed, oom)
+        calls = eng._runner.end_step(failed) if eng._runner is not None else []
+        step_seconds = time.perf_counter() - t0
+        profile = eng._profiler.finish(step_seconds)
+        profile.blocks = calls
+        changed = _sequence_changed(eng, profile.ids)
+        eng._policy.end_step(None if failed else profile)
+        report = eng._policy.report()
+        stats = StepStats(
+            step=eng.totals.steps, budget_bytes=budget,
+            peak_resident_bytes=counters.peak_resident_bytes, saved_bytes=counters.saved_bytes,
+            offloaded_bytes=counters.offloaded_bytes,
+            offloaded_tensors=counters.offloaded_tensors,
+            prefetched_bytes=counters.prefetched_bytes, fetched_bytes=counters.fetched_bytes,
+            sync_fetches=counters.sync_fetches, late_prefetches=counters.late_prefetches,
+            budget_waits=counters.budget_waits, stall_seconds=eng._copy.take_stall_seconds(),
+            step_seconds=step_seconds, host_peak_bytes=eng._pool.peak_in_use_bytes,
+            skipped_bytes=counters.skipped_bytes, failed=failed, **memory,
+            sequence_changed=changed, plan_source=report["plan_source"],
+            predicted_stall_seconds=report["predicted_stall_seconds"],
+            profiler_seconds=profile.profiler_seconds,
+            profile_mode="detailed" if profile.detailed else "lightweight",
+            signature=profile.signature, plan_overrides=report["plan_overrides"],
+            forced_offloads=counters.forced_offloads, kept_bytes=counters.kept_bytes,
+            host_allocated_bytes=eng._pool.allocated_bytes - eng._host_allocated_at_start,
+            **block_stats(calls, eng._runner is not None))
+        eng.history.append(stats)
+        eng.totals.add(stats)
+        log.info("%s", stats)
+        if eng._trace_dir is not None and not failed:
+            _write_trace(eng, profile, stats)
+        _warn_foreign(eng, counters)
+    finally:
+        eng._in_step = False
+
+
+def _sequence_changed(eng, ids: list) -> bool:
+    """Whether this step's operator sequence differs from the last one's beyond the tolerance;
+    a step that saved nothing (eval under no_grad) changes nothing."""
+    if not ids:
+        return False
+    changed = False
+    # The same sequence again (the common case) needs no histogram comparison.
+    if eng._prev_ids is not None and eng._prev_ids != ids:
+        changed = similarity(eng._prev_ids, ids).changed(
+            eng.config.length_tolerance, eng.config.min_similarity)
+    eng._prev_ids = ids
+    return changed
+
+
+def needs_sync(eng, budget: Optional[int]) -> bool:
+    """Whether the step's end must wait for the device. Its event timings (a detailed profile, a
+    trace) and the device-inclusive step time the planner scales its estimates by are needed at
+    once; with no budget nothing plans, nothing moved and nothing was timed, so the host goes on
+    while the device finishes the step."""
+    return budget is not None or eng._profiler.detailed
+
+
+def sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def _end_memory_step(eng, counters, failed: bool, oom: bool) -> dict:
+    """The device's side of the step for the budget derivation, as StepStats fields."""
+    stats = torch.cuda.memory_stats(eng.device)
+    peak = torch.cuda.max_memory_allocated(eng.device)
+    r = eng._memory.end_step(
+        saved_bytes=counters.saved_bytes, peak_allocated=peak,
+        allocated_at_start=eng._allocated_at_start,
+        peak_resident=counters.peak_resident_bytes,
+        # Free bytes inside segments that also hold live blocks: unlike whole free segments,
+        # the allocator cannot give them back when it runs short.
+        fragmentation_bytes=stats.get("inactive_split_bytes.all.peak", 0),
+        failed=failed, out_of_memory=oom)
+    return dict(peak_device_bytes=peak, min_budget_bytes=r.min_budget_bytes,
+                predicted_transient_bytes=r.predicted_transient_bytes,
+                transient_bytes=r.transient_bytes, memory_tightened=r.tightened)
+
+
+def _write_trace(eng, profile, stats: StepStats) -> None:
+    measured = {k: getattr(stats, k) for k in (
+        "step_seconds", "peak_resident_bytes", "budget_bytes", "stall_seconds",
+        "offloaded_bytes", "sync_fetches", "forced_offloads", "plan_source")}
+    # On CUDA the model state is what was allocated when the step began (weights, gradients,
+    # optimizer states); on the CPU the engine cannot tell it from other memory: 0.
+    write_step(eng._trace_dir, stats.step, profile, measured=measured,
+               meta={"device": str(eng.device), "torch": torch.__version__,
+                     "policy": eng.policy, "min_tensor_bytes": eng.config.min_tensor_bytes},
+               link=eng._bandwidth(), model_state_bytes=eng._state_bytes)
+
+
+def _warn_foreign(eng, counters) -> None:
+    if counters.saved_bytes == 0 and counters.foreign_bytes > 0 and not eng._warned_foreign:
+        eng._warned_foreign = True
+        warnings.warn(f"chameleon-swap: this step saved {format_bytes(counters.foreign_bytes)} "
+                      f"of activations on other devices than the engine's ({eng.device}); "
+                      "pass device= to manage them", RuntimeWarning, stacklevel=5)

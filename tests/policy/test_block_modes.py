@@ -1,0 +1,225 @@
+"""Block modes at run time (policy/modes.py) through the engine: ``Chameleon(model=...)`` keeps,
+swaps or recomputes, bit for bit, under the budget, on CPU."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import chameleon_swap as cs
+
+from _helpers import assert_bitwise, compare, grads, natural_peak, train_step
+from _models import SPEC_BLOCKS, lm_batches, randn, random_model, tiny_llama, tiny_moe
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")   # see conftest.py
+
+SLOW, FAST = "10MB/s", "1TB/s"
+
+
+def llama():
+    return tiny_llama(n_layers=3)
+
+
+def moe():
+    return tiny_moe(n_layers=3)
+
+
+class Cheap(nn.Module):
+    """A block whose saved bytes take far longer to copy over a 1 GB/s link than its
+    elementwise compute takes: the link cannot hide them."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        h = x * self.scale
+        for _ in range(4):
+            h = h * torch.sigmoid(h)
+        return x + h
+
+
+class CheapNet(nn.Module):
+    def __init__(self, dim: int = 64, n: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Cheap(dim) for _ in range(n))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x.pow(2).mean()
+
+
+# --------------------------------------------------------------------------- the decision
+@pytest.fixture
+def steady_clock(monkeypatch):
+    """Every timestamp the profiler and the runner take is 50 us after the previous one, so the
+    plan's compute times do not depend on how busy this machine is: the decision below then
+    depends only on the bytes and the link, which is what it tests."""
+    from chameleon_swap.runtime import profiler
+    ticks = iter(range(10**9))
+    monkeypatch.setattr(profiler._CpuClock, "mark", lambda self: next(ticks) * 50e-6)
+
+
+@pytest.mark.parametrize("link,recomputes", [("1GB/s", True), ("1TB/s", False)])
+def test_a_slow_link_recomputes_a_fast_one_swaps(link, recomputes, steady_clock):
+    # Each block saves ~9 MB in ~0.5 ms of (steady) compute: 18 GB/s, which 1 GB/s cannot hide
+    # and 1 TB/s can.
+    torch.manual_seed(0)
+    model = CheapNet()
+    batches = [(randn(4, 2048, 64, seed=i),) for i in range(4)]
+    history, _, budget = compare(model, batches, 0.4, model_kwarg=True, link_bandwidth=link,
+                                 min_tensor_bytes=2**16)
+    last = history[-1]
+    assert all(s.peak_resident_bytes <= budget for s in history)
+    if recomputes:
+        assert last.block_modes[0] < 4 and last.recomputed_bytes > 0, last
+        assert last.recompute_seconds > 0
+    else:
+        assert last.block_modes == (4, 0, 0) and last.offloaded_bytes > 0, last
+        assert last.recomputed_bytes == 0 and last.recompute_seconds == 0
+
+
+def test_nothing_recomputed_or_moved_when_the_step_fits():
+    model = llama()
+    history, _, _ = compare(model, lm_batches(model, [16, 16, 24]), 2.0, model_kwarg=True,
+                            link_bandwidth=SLOW)
+    for s in history:
+        assert s.block_modes == (3, 0, 0) and s.offloaded_bytes == 0 and s.recomputed_bytes == 0
+
+
+# --------------------------------------------------------------------------- bitwise matrix
+@pytest.mark.parametrize("link", [SLOW, FAST])
+@pytest.mark.parametrize("fraction", [0.5, 0.2, 0.05, 0.0])
+@pytest.mark.parametrize("make", [llama, moe], ids=["llama", "moe"])
+def test_bitwise_under_budget_with_recompute(make, fraction, link, steady_clock):
+    model = make()
+    batches = lm_batches(model, [24, 24, 12, 24, 32, 24])
+    history, _, budget = compare(model, batches, fraction, model_kwarg=True, link_bandwidth=link)
+    assert all(s.peak_resident_bytes <= budget for s in history)
+    # Recomputing must pay where it can: on llama at half the peak (lower, or on moe whose
+    # blocks save more, a block's recompute working set alone passes the budget: swap only).
+    if link == SLOW and fraction >= 0.5 and make is llama:
+        assert any(s.block_modes[2] + s.block_modes[1] for s in history), history[-1]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=st.fixed_dictionaries({
+           "blocks": st.lists(st.sampled_from(SPEC_BLOCKS), min_size=2, max_size=5),
+           "dim": st.sampled_from([4, 8]), "seed": st.integers(0, 2**16)}),
+       lengths=st.lists(st.integers(2, 9), min_size=2, max_size=4),
+       fraction=st.floats(0.0, 1.0), link=st.sampled_from([SLOW, FAST]))
+def test_random_models_bitwise_and_budget_with_recompute(spec, lengths, fraction, link):
+    model = random_model(spec)
+    ref = copy.deepcopy(model)
+    dim = spec["dim"]
+    inputs = [(randn(2, T, dim, seed=i),) for i, T in enumerate(lengths)]
+    budget = int(min(natural_peak(model, b) for b in inputs) * fraction)
+    with cs.Chameleon(budget, device="cpu", min_tensor_bytes=0, model=model,
+                      blocks=list(model.blocks), link_bandwidth=link) as eng:
+        for b in inputs:
+            model.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+            loss = train_step(model, b, eng)
+            assert_bitwise(train_step(ref, b), grads(ref), loss, grads(model))
+            assert eng.last_step.peak_resident_bytes <= budget, eng.last_step
+            assert eng.resident_bytes == 0 and eng.host_bytes_in_use == 0
+
+
+def test_hugging_face_llama_blocks_found_and_bitwise(steady_clock):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                   use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    batches = []
+    for i, T in enumerate([16, 24, 16]):
+        ids = torch.randint(64, (2, T), generator=torch.Generator().manual_seed(i))
+        batches.append(ids)
+    loss_fn = lambda m, ids: m(input_ids=ids, labels=ids).loss  # noqa: E731
+    history, _, budget = compare(model, batches, 0.5, loss_fn=loss_fn, model_kwarg=True,
+                                 link_bandwidth=SLOW)
+    assert all(sum(s.block_modes) == 3 for s in history)      # LlamaDecoderLayer x 3
+    assert any(s.block_modes[0] < 3 for s in history)
+
+
+def test_gradient_accumulation_and_autocast_in_one_step():
+    model = llama()
+    ref = copy.deepcopy(model)
+    batches = lm_batches(model, [20, 20])
+    budget = int(natural_peak(model, batches[0]) * 0.3)
+
+    def step(m, eng=None):
+        ctx = eng.step() if eng is not None else torch.autograd.graph.saved_tensors_hooks(
+            lambda t: t, lambda t: t)
+        with ctx:
+            for b in batches:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = m(*b)
+                loss.backward()
+        return loss.detach()
+
+    with cs.Chameleon(budget, device="cpu", min_tensor_bytes=0, model=model,
+                      link_bandwidth=SLOW) as eng:
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+            assert_bitwise(step(ref), grads(ref), step(model, eng), grads(model))
+            assert eng.last_step.peak_resident_bytes <= budget
+
+
+# --------------------------------------------------------------------------- plans per size
+def test_each_size_gets_its_own_plan_and_recurrences_come_from_the_cache():
+    model = llama()
+    batches = lm_batches(model, [24, 24, 40, 40, 24, 40])
+    history, _, _ = compare(model, batches, 0.3, model_kwarg=True, link_bandwidth=SLOW)
+    assert history[-1].plan_source == "cache"
+    assert history[-2].plan_source == "cache"
+
+
+def test_plans_are_made_per_size():
+    model = llama()
+    batches = lm_batches(model, [24, 40, 24, 40])
+    budget = int(natural_peak(model, batches[0]) * 0.3)
+    with cs.Chameleon(budget, device="cpu", min_tensor_bytes=0, model=model,
+                      link_bandwidth=SLOW) as eng:
+        for b in batches:
+            train_step(model, b, eng)
+        modes = eng._policy.modes
+        assert len(modes.plans) == 2
+        assert all(p.budget == budget for p in modes.plans.values())
+
+
+# --------------------------------------------------------------------------- arguments
+def test_model_and_blocks_arguments_are_checked():
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        cs.Chameleon(1000, device="cpu", model="llama")
+    with pytest.raises(ValueError, match="pass model= too"):
+        cs.Chameleon(1000, device="cpu", blocks="layers")
+    with pytest.raises(ValueError, match="blocks"):
+        cs.Chameleon(1000, device="cpu", model=nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="link_bandwidth"):
+        cs.Chameleon(1000, device="cpu", link_bandwidth="fast")
+
+
+@pytest.mark.parametrize("policy", ["guard", "static"])
+def test_swap_only_policies_ignore_recompute(policy):
+    model = llama()
+    blocks_before = [b.__dict__.get("forward") for b in model.layers]
+    history, _, _ = compare(model, lm_batches(model, [16, 24]), 0.3, model_kwarg=True,
+                            policy=policy)
+    assert all(s.block_modes == () and s.recomputed_bytes == 0 for s in history)
+    assert [b.__dict__.get("forward") for b in model.layers] == blocks_before
+
+
+def test_close_restores_the_model():
+    model = llama()
+    with cs.Chameleon(1000, device="cpu", model=model) as eng:
+        assert all("forward" in b.__dict__ for b in model.layers)
+    assert all("forward" not in b.__dict__ for b in model.layers)
+    assert eng.last_step is None

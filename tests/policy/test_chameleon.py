@@ -1,0 +1,232 @@
+"""policy="chameleon" and policy="static" end to end on CPU: dynamic operator sequences (length
+schedules, MoE routing, layer drop, eval steps), plan cache, fuzzy matching, and on every step the
+budget and bitwise-equal gradients (LESSONS 6: plans frozen after warm-up break on dynamic runs;
+here the guard underneath must keep them correct and under budget)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import chameleon_swap as cs
+from chameleon_swap.workloads import Llama, LlamaConfig, MoE, MoEConfig
+
+from _helpers import assert_bitwise, grads, natural_peak, train_step
+
+TINY = dict(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=64)
+ADAPTIVE = ["chameleon", "static"]
+
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")   # see conftest.py
+
+
+def llama(layers=3):
+    torch.manual_seed(0)
+    return Llama(LlamaConfig(**{**TINY, "n_layers": layers}))
+
+
+def moe():
+    torch.manual_seed(0)
+    return MoE(MoEConfig(**TINY, n_experts=4, top_k=2))
+
+
+def batch(B, T, seed):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(TINY["vocab_size"], (B, T + 1), generator=g)
+    return t[:, :-1], t[:, 1:]
+
+
+class Dropper:
+    """Layer drop decided outside the model: swaps the ModuleList for a step."""
+
+    def __init__(self, model):
+        self.model, self.full = model, list(model.layers)
+
+    def use(self, keep):
+        self.model.layers = nn.ModuleList([self.full[i] for i in keep])
+
+
+def run_schedule(model, schedule, budget, policy, *, before=None):
+    """Train a copy with the engine and a copy without, step by step; assert bitwise equality
+    and the budget on every step. ``schedule``: list of (batch, train: bool)."""
+    ref, test = copy.deepcopy(model), copy.deepcopy(model)
+    stats = []
+    with cs.Chameleon(budget, device="cpu", policy=policy, min_tensor_bytes=0) as eng:
+        for i, (b, train) in enumerate(schedule):
+            if before is not None:
+                before(i, ref, test)
+            ref.zero_grad(set_to_none=True)
+            test.zero_grad(set_to_none=True)
+            if train:
+                l_ref = train_step(ref, b)
+                l = train_step(test, b, eng)
+                assert_bitwise(l_ref, grads(ref), l, grads(test))
+            else:
+                with torch.no_grad():
+                    l_ref = ref(*b)
+                with eng.step(), torch.no_grad():
+                    l = test(*b)
+                assert torch.equal(l_ref, l)
+            s = eng.last_step
+            assert s.peak_resident_bytes <= budget, (i, s)
+            assert eng.host_bytes_in_use == 0
+            stats.append(s)
+    return stats
+
+
+def budget_for(model, b, fraction):
+    return int(natural_peak(model, b) * fraction)
+
+
+@pytest.mark.parametrize("policy", ADAPTIVE)
+@pytest.mark.parametrize("fraction", [0.5, 0.2, 0.0])
+def test_length_schedule(policy, fraction):
+    model = llama()
+    lengths = [16, 16, 24, 16, 24, 40, 12, 24, 40, 16]
+    schedule = [(batch(2, T, i), True) for i, T in enumerate(lengths)]
+    budget = budget_for(model, batch(2, 12, 0), fraction)
+    stats = run_schedule(model, schedule, budget, policy)
+    assert sum(s.offloaded_bytes for s in stats) > 0
+
+
+@pytest.mark.parametrize("policy", ADAPTIVE)
+def test_moe_routing(policy):
+    model = moe()
+    schedule = [(batch(2, T, i), True) for i, T in enumerate([16, 16, 16, 20, 16, 20])]
+    budget = budget_for(model, batch(2, 16, 0), 0.3)
+    run_schedule(model, schedule, budget, policy)
+
+
+@pytest.mark.parametrize("policy", ADAPTIVE)
+def test_layer_drop(policy):
+    model = llama(layers=4)
+    keeps = [[0, 1, 2, 3], [0, 1, 2, 3], [0, 2, 3], [0, 1, 2, 3], [1, 2], [0, 2, 3], [0, 1, 2, 3]]
+
+    def before(i, ref, test):
+        for m in (ref, test):
+            if not hasattr(m, "_dropper"):
+                m._dropper = Dropper(m)
+            m._dropper.use(keeps[i])
+
+    schedule = [(batch(2, 16, i), True) for i in range(len(keeps))]
+    budget = budget_for(model, batch(2, 16, 0), 0.3)
+    stats = run_schedule(model, schedule, budget, policy, before=before)
+    assert stats[2].sequence_changed and stats[4].sequence_changed
+
+
+def test_recurring_sequences_hit_the_plan_cache_without_detailed_steps():
+    model = llama()
+    lengths = [16, 32] * 6
+    schedule = [(batch(2, T, i), True) for i, T in enumerate(lengths)]
+    budget = budget_for(model, batch(2, 16, 0), 0.3)
+    stats = run_schedule(model, schedule, budget, "chameleon")
+    assert stats[0].profile_mode == "detailed" and stats[0].plan_source == "guard"
+    assert [s.sequence_changed for s in stats[1:]] == [True] * (len(stats) - 1)
+    tail = stats[-6:]
+    # Settled: every step finds its own plan in the cache, and none needs timing any more.
+    assert [s.plan_source for s in tail] == ["cache"] * 6, [s.plan_source for s in stats]
+    assert [s.profile_mode for s in tail] == ["lightweight"] * 6, [s.profile_mode for s in stats]
+    assert all(s.predicted_stall_seconds is not None for s in tail)
+    assert len({s.signature for s in stats}) == 2
+
+
+def test_steady_sequence_uses_its_plan_and_an_eval_step_keeps_it():
+    model = llama()
+    b = batch(2, 24, 0)
+    schedule = [(b, True)] * 4 + [(batch(2, 24, 9), False)] + [(b, True)] * 2
+    budget = budget_for(model, b, 0.3)
+    stats = run_schedule(model, schedule, budget, "chameleon")
+    assert stats[0].plan_source == "guard"
+    assert [s.plan_source for s in stats[1:4]] == ["planned"] * 3
+    assert stats[4].saved_bytes == 0 and not stats[4].sequence_changed
+    assert [s.plan_source for s in stats[5:]] == ["planned"] * 2      # the plan survived the eval
+    assert not any(s.sequence_changed for s in stats)
+    assert stats[-1].profile_mode == "lightweight"
+    assert stats[-1].plan_overrides == 0 and stats[-1].forced_offloads == 0
+
+
+def test_an_unseen_length_is_matched_fuzzily_and_still_held():
+    model = llama()
+    budget = budget_for(model, batch(2, 16, 0), 0.3)
+    schedule = [(batch(2, 16, 0), True), (batch(2, 16, 1), True), (batch(2, 20, 2), True)]
+    stats = run_schedule(model, schedule, budget, "chameleon")
+    s = stats[2]
+    assert s.sequence_changed
+    assert s.plan_source == "planned"          # the 16-plan, applied by tensor keys
+    assert s.profile_mode == "lightweight"     # it is new: detail comes on a later step
+
+
+def test_static_freezes_one_plan_and_never_adapts():
+    model = llama()
+    lengths = [16, 16, 32, 32, 16, 32]
+    schedule = [(batch(2, T, i), True) for i, T in enumerate(lengths)]
+    budget = budget_for(model, batch(2, 16, 0), 0.3)
+    stats = run_schedule(model, schedule, budget, "static")
+    assert stats[0].plan_source == "guard"                  # warm-up
+    assert stats[1].profile_mode == "detailed"              # profiled once
+    assert all(s.profile_mode == "lightweight" for s in stats[2:])
+    assert all(s.plan_source == "planned" for s in stats[2:])
+    # The frozen plan does not fit the longer sequence: the guard had to step in.
+    assert any(s.plan_overrides + s.forced_offloads > 0 or s.offloaded_bytes > 0
+               for s in stats[2:] if s.saved_bytes > stats[1].saved_bytes)
+
+
+def test_unlimited_budget_moves_nothing_under_every_policy():
+    model = llama()
+    for policy in ("guard", *ADAPTIVE):
+        with cs.Chameleon(None, device="cpu", policy=policy) as eng:
+            for i in range(3):
+                train_step(model, batch(2, 16, i), eng)
+                assert eng.last_step.offloaded_bytes == 0
+
+
+def test_plan_cache_is_bounded_lru():
+    from chameleon_swap.planning.cache import PlanCache, PlanEntry
+    c = PlanCache(2)
+
+    def entry(sig):
+        return PlanEntry(signature=sig, ids=[], keys=[], n_forward=0, move=[], triggers={},
+                         at_forward_end=[], predicted_stall_seconds=0.0, predicted_peak_bytes=0,
+                         detailed=True)
+    c.put(entry("a"))
+    c.put(entry("b"))
+    assert c.get("a") is not None            # a is now the most recent
+    c.put(entry("c"))
+    assert "b" not in c and "a" in c and "c" in c and len(c) == 2
+    assert c.get("zzz") is None and c.misses == 1 and c.hits == 1
+    assert [e.signature for e in c.entries()] == ["c", "a"]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "8"])
+def test_plan_cache_size_is_validated(bad):
+    with pytest.raises((ValueError, TypeError), match="plan_cache_size"):
+        cs.Chameleon(None, device="cpu", plan_cache_size=bad)
+
+
+@pytest.mark.parametrize("name,bad", [("length_tolerance", -0.1), ("min_similarity", 1.5),
+                                      ("length_tolerance", float("nan")), ("min_similarity", "x")])
+def test_thresholds_are_validated(name, bad):
+    with pytest.raises((ValueError, TypeError), match=name):
+        cs.Chameleon(None, device="cpu", **{name: bad})
+
+
+def test_a_plan_made_for_long_sequences_moves_nothing_on_a_short_step_that_fits():
+    """Fuzzy application scales the plan to the step: a plan for T=48 applied to T=8 steps,
+    whose whole natural peak fits the budget, must not copy anything out (it did, by position,
+    before: 7 MiB a step on the demo's Llama); a middle length moves about what it must."""
+    model = llama()
+    long, short = batch(2, 48, 0), batch(2, 8, 1)
+    budget = int(natural_peak(model, long) * 0.5)
+    assert natural_peak(model, short) <= budget
+    schedule = [(batch(2, 48, i), True) for i in range(3)]            # plan made and cached
+    schedule += [(batch(2, 8, 10 + i), True) for i in range(3)]       # a new, short sequence
+    schedule += [(batch(2, 32, 20), True)]
+    stats = run_schedule(model, schedule, budget, "chameleon")
+    assert any(s.plan_source in ("planned", "cache") for s in stats[:3])
+    for s in stats[3:6]:
+        assert s.plan_source == "planned" and s.offloaded_bytes == 0, s
+    mid = stats[6]
+    need = mid.saved_bytes - budget
+    assert need > 0 and mid.offloaded_bytes <= 1.5 * need + max(mid.saved_bytes // 10, 1), mid
