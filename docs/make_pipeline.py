@@ -179,7 +179,7 @@ ChronosPipe (arXiv 2503.03182) reports that treating device memory as a cache le
 train a **2.4x larger model at comparable throughput**, and reaches **1.5x the throughput of
 1F1B with recomputation**. Here the same questions are put to the simulator with this project's
 mechanisms: PyTorch's 1F1B, full recomputation, our V-shaped Chronos order (`chronos`: two
-stages per rank, `r` and `2P-1-r`, full backwards; see `chameleon_swap/pipeline_schedule.py`),
+stages per rank, `r` and `2P-1-r`, full backwards; see `chameleon_swap/parallel/schedules.py`),
 and the schedule-aware engine on every rank (`PipelineChameleon`: offloads the activations whose
 backward is farthest away in the rank's schedule, copies back in the order the backwards need).
 "hybrid" is the engine with recomputation per stage: under the same budget, each rank recomputes
