@@ -203,9 +203,12 @@ class EngineConfig:
     # Bytes per second per direction the planner assumes for the host link (None: measured).
     link_bandwidth: Union[int, float, str, None] = None
     history_size: int = DEFAULT_HISTORY_SIZE
+    # CPU only: copies take as long as a link of this bandwidth would (None: a plain memmove).
+    emulate_link: Union[int, float, str, None] = None
 
     def __post_init__(self) -> None:
         self.link_bandwidth_bytes_per_s = parse_bandwidth(self.link_bandwidth, "link_bandwidth")
+        self.emulate_link_bytes_per_s = parse_bandwidth(self.emulate_link, "emulate_link")
         self.length_tolerance = _fraction(self.length_tolerance, "length_tolerance")
         self.min_similarity = _fraction(self.min_similarity, "min_similarity")
         _count(self.plan_cache_size, "plan_cache_size", MAX_PLAN_CACHE_SIZE,

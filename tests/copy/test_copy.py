@@ -18,6 +18,7 @@ import weakref
 import pytest
 import torch
 
+import chameleon_swap as cs
 from chameleon_swap.copy import bandwidth, make_copy_engine
 from chameleon_swap.copy.cpu import CpuCopyEngine, CpuTicket
 
@@ -414,3 +415,42 @@ def test_copy_bytes_copies_exactly_and_refuses_what_it_cannot_copy():
                              (torch.empty(16000, dtype=torch.uint8)[::2], src)]:    # strided
         with pytest.raises(RuntimeError, match="contiguous uint8"):
             copy_bytes(bad_dst, bad_src)
+
+
+# ------------------------------------------------------------------ the emulated link
+def test_the_emulated_link_makes_copies_last_their_bytes_over_its_bandwidth():
+    import time
+
+    from chameleon_swap.copy.cpu import CpuCopyEngine
+    e = CpuCopyEngine(bytes_per_s=20e6)                     # 20 MB/s: 1 MB takes 50 ms
+    try:
+        src = torch.arange(2**20, dtype=torch.int32).to(torch.uint8)
+        dst = torch.empty_like(src)
+        t0 = time.perf_counter()
+        ticket = e.offload(src, dst, e.record_ready())
+        issued = time.perf_counter() - t0
+        e.wait_host(ticket)
+        took = time.perf_counter() - t0
+        assert issued < 0.02 < 0.045 <= took               # the copy thread sleeps, not the caller
+        assert torch.equal(src, dst)
+        back, t2 = e.fetch(dst, ticket)
+        e.wait(t2)
+        assert torch.equal(back, src)
+        link = e.take_link()
+        assert link["d2h"][0] == link["h2d"][0] == 2**20
+        assert 15e6 < link["d2h"][0] / link["d2h"][1] <= 20e6 * 1.01   # measured: about 20 MB/s
+        assert e.take_link() == {"d2h": (0, 0.0), "h2d": (0, 0.0)}     # taking resets
+        assert [slot for slot, _ in e.take_stalls()] == [-1, -1]       # no profiler: no slot
+    finally:
+        e.close()
+
+
+def test_emulate_link_is_checked_and_cpu_only():
+    with pytest.raises(ValueError, match="emulate_link"):
+        cs.Chameleon(1000, device="cpu", emulate_link="fast")
+    with pytest.raises(ValueError, match="emulate_link"):
+        cs.Chameleon(1000, device="cpu", emulate_link=-1)
+    with cs.Chameleon(1000, device="cpu", emulate_link="5MB/s") as eng:
+        assert eng._bandwidth() == (5e6, 5e6)              # the planner assumes the emulated link
+    with cs.Chameleon(1000, device="cpu", emulate_link="5MB/s", link_bandwidth="1GB/s") as eng:
+        assert eng._bandwidth() == (1e9, 1e9)              # unless told otherwise

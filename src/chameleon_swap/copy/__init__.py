@@ -22,7 +22,14 @@ CUDA and ordering bugs show in the CPU tests:
 ``defer(ticket, fn=None, keep=None)``
     once ``ticket`` has completed, drop ``keep`` (a device tensor that must outlive the copy) and
     call ``fn``, from a later ``poll()`` on the caller's thread.
-``poll()``, ``synchronize()``, ``take_stall_seconds()``
+``poll()``, ``synchronize()``
+``take_link() -> {"d2h": (bytes, seconds), "h2d": ...}``
+    at step end: what the copies of the step moved and how long they took, per direction, where
+    the backend times them (CPU); ``{}`` where it does not (CUDA).
+``take_stalls() -> [(slot, seconds)]``, ``take_stall_seconds()``
+    at step end: each wait of the step (``wait`` that found its copy late, ``wait_host``) with the
+    slot it fell in, as the engine's ``stall_slot()`` callable said when it happened; the profiler
+    keeps those seconds apart from the slot's compute (a stalled step must plan like a clean one).
 
 May import: ``config`` only. It moves bytes and knows nothing of tensors' meaning.
 Imported by: ``runtime/`` (the executor), ``engine.py``, ``parallel/`` and the tools.
@@ -52,7 +59,10 @@ class CopyEngine(Protocol):
               keep: object = None) -> None: ...
     def poll(self) -> None: ...
     def synchronize(self) -> None: ...
+    stall_slot: Callable[[], int]
+    def take_stalls(self) -> list[tuple[int, float]]: ...
     def take_stall_seconds(self) -> float: ...
+    def take_link(self) -> dict: ...
     def close(self) -> None: ...
 
 

@@ -7,7 +7,11 @@ same asynchrony, ordering and lifetime rules as CUDA, exercised by every CPU tes
   an error (``RuntimeError`` at the fetch that needed it), not silently read garbage (LESSONS 1);
 * copy-back waits for the copy-out it depends on (LESSONS 2): the two workers are independent;
 * ``delay_s`` (test-only; also ``CHAMELEON_SWAP_TEST_COPY_DELAY`` seconds) sleeps before every copy,
-  so a missing wait shows up as wrong bytes instead of passing by luck.
+  so a missing wait shows up as wrong bytes instead of passing by luck;
+* ``bytes_per_s`` (``Chameleon(emulate_link=...)``) makes every copy take as long as a link of
+  that bandwidth would: the worker copies, then sleeps the rest of ``nbytes / bytes_per_s``. Only
+  the copy threads sleep, never the compute thread, so a 2-core CPU reproduces a GPU's ratio of
+  bytes to compute (an H100's pinned link moves about 54 GB/s against its step's compute).
 """
 from __future__ import annotations
 
@@ -21,6 +25,10 @@ from collections import deque
 from typing import Callable, Optional
 
 import torch
+
+
+def _no_slot() -> int:
+    return -1
 
 
 class CpuTicket:
@@ -42,10 +50,13 @@ class CpuTicket:
 
 
 class _Worker(threading.Thread):
-    def __init__(self, name: str, delay_s: float) -> None:
+    def __init__(self, name: str, delay_s: float, bytes_per_s: Optional[float] = None) -> None:
         super().__init__(name=name, daemon=True)
         self.jobs: "queue.Queue" = queue.Queue()
         self.delay_s = delay_s
+        self.bytes_per_s = bytes_per_s
+        self.lock = threading.Lock()
+        self.busy = [0, 0.0]          # bytes copied and seconds spent copying, since last taken
 
     def run(self) -> None:
         while True:
@@ -66,7 +77,16 @@ class _Worker(threading.Thread):
                                "was freed before its copy ran")
                 continue
             try:
+                t0 = time.perf_counter()
                 copy_bytes(dst, src)
+                if self.bytes_per_s:
+                    # The emulated link: the copy lasts as long as its bytes take at that speed.
+                    rest = src.numel() / self.bytes_per_s - (time.perf_counter() - t0)
+                    if rest > 0:
+                        time.sleep(rest)
+                with self.lock:
+                    self.busy[0] += src.numel()
+                    self.busy[1] += time.perf_counter() - t0
                 error = None
             except Exception as e:  # surfaced to the thread that waits on the ticket
                 error = f"{self.name}: {type(e).__name__}: {e}"
@@ -97,19 +117,27 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
 class CpuCopyEngine:
     device = torch.device("cpu")
 
-    def __init__(self, delay_s: Optional[float] = None) -> None:
+    def __init__(self, delay_s: Optional[float] = None,
+                 bytes_per_s: Optional[float] = None) -> None:
         if delay_s is None:
             delay_s = float(os.environ.get("CHAMELEON_SWAP_TEST_COPY_DELAY", "0") or 0)
         self.delay_s = delay_s
-        self._d2h = _Worker("chameleon-d2h", delay_s)
-        self._h2d = _Worker("chameleon-h2d", delay_s)
+        self.bytes_per_s = bytes_per_s           # the emulated link (None: a plain memmove)
+        self._d2h = _Worker("chameleon-d2h", delay_s, bytes_per_s)
+        self._h2d = _Worker("chameleon-h2d", delay_s, bytes_per_s)
         self._d2h.start()
         self._h2d.start()
         # Stop the threads when the engine is garbage collected without close().
         weakref.finalize(self, _stop_workers, self._d2h, self._h2d)
         # (ticket, keep-alive object, callback) in issue order; done tickets are reaped by poll().
         self._deferred: deque = deque()
-        self._stall = 0.0
+        self._stalls: list[tuple[int, float]] = []   # (slot, seconds) per wait of this step
+        # () -> the profiler's current slot, asked at each wait (only when one happens); the
+        # engine sets it, so waits are kept apart from the compute of the slot they fell in.
+        self.stall_slot: Callable[[], int] = _no_slot
+        # () -> seconds: the clock waits are timed on; the engine gives the profiler's, so that
+        # the waits it takes out of a slot's compute are on the clock the slot was measured on.
+        self.clock: Callable[[], float] = time.perf_counter
 
     def record_ready(self) -> None:
         return None  # CPU compute is synchronous: the bytes are final when the hook runs
@@ -136,18 +164,22 @@ class CpuCopyEngine:
     def wait(self, ticket: CpuTicket) -> bool:
         late = not ticket.done()
         if late:
-            t0 = time.perf_counter()
+            t0 = self.clock()
             ticket._block()
-            self._stall += time.perf_counter() - t0
+            self._stalls.append((self.stall_slot(), self.clock() - t0))
         if ticket.error:
             raise RuntimeError(f"chameleon-swap copy failed: {ticket.error}")
         return late
 
     def wait_host(self, ticket: CpuTicket) -> float:
-        t0 = time.perf_counter()
+        t0 = self.clock()
         ticket._block()
-        dt = time.perf_counter() - t0
-        self._stall += dt
+        if ticket.error is None:
+            # The completions the wait let through are handled now, inside the wait: on a step
+            # that never waits they are spread thinly over later polls; here they belong to it.
+            self.poll()
+        dt = self.clock() - t0
+        self._stalls.append((self.stall_slot(), dt))
         if ticket.error:
             raise RuntimeError(f"chameleon-swap copy failed: {ticket.error}")
         return dt
@@ -178,9 +210,22 @@ class CpuCopyEngine:
             ticket._block()
         self.poll()
 
+    def take_stalls(self) -> list[tuple[int, float]]:
+        """This step's waits for copies, (slot, seconds) each, and forget them; step end only."""
+        out, self._stalls = self._stalls, []
+        return out
+
     def take_stall_seconds(self) -> float:
-        s, self._stall = self._stall, 0.0
-        return s
+        return float(sum(s for _, s in self.take_stalls()))
+
+    def take_link(self) -> dict:
+        """Per direction, ``(bytes, seconds)`` the copy threads spent copying since last taken:
+        the link's effective bandwidth as the steps saw it."""
+        out = {}
+        for name, w in (("d2h", self._d2h), ("h2d", self._h2d)):
+            with w.lock:
+                out[name], w.busy = tuple(w.busy), [0, 0.0]
+        return out
 
     def close(self) -> None:
         self.synchronize()

@@ -42,8 +42,12 @@ class CudaCopyEngine:
         self.h2d = torch.cuda.Stream(device)
         # Per stream, in issue order: (ticket, keep-alive object, callback).
         self._deferred = {0: deque(), 1: deque()}
-        self._stall_pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._host_stall = 0.0
+        # (slot, before, after) per wait: events on the compute stream around it, read at step
+        # end. A host wait is timed the same way: what the step lost is the compute stream's idle
+        # time between the two events (none when the GPU still had queued work to run).
+        self._stall_pairs: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
+        # () -> the profiler's current slot, asked at each wait; set by the engine.
+        self.stall_slot: Callable[[], int] = lambda: -1
 
     def _compute(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
@@ -95,15 +99,21 @@ class CudaCopyEngine:
         before.record(compute)
         compute.wait_event(ticket.event)
         after.record(compute)
-        self._stall_pairs.append((before, after))   # read at step end, never inside the step
+        # read at step end, never inside the step
+        self._stall_pairs.append((self.stall_slot(), before, after))
         return True
 
     def wait_host(self, ticket: CudaTicket) -> float:
+        compute = self._compute()
+        before = torch.cuda.Event(enable_timing=True)
+        after = torch.cuda.Event(enable_timing=True)
+        before.record(compute)
         t0 = time.perf_counter()
         ticket.event.synchronize()
         ticket._done = True
         dt = time.perf_counter() - t0
-        self._host_stall += dt
+        after.record(compute)
+        self._stall_pairs.append((self.stall_slot(), before, after))
         return dt
 
     def defer(self, ticket: CudaTicket, fn: Optional[Callable[[], None]] = None,
@@ -132,15 +142,23 @@ class CudaCopyEngine:
                 ticket._done = True
         self.poll()
 
-    def take_stall_seconds(self) -> float:
-        """Stall of the compute stream on late copies plus host waits; call at step end only."""
-        total = self._host_stall
-        for before, after in self._stall_pairs:
+    def take_stalls(self) -> list[tuple[int, float]]:
+        """(slot, seconds) per wait of this step: the compute stream's time lost on late copies
+        and host waits; step end only."""
+        out = []
+        for slot, before, after in self._stall_pairs:
             after.synchronize()
-            total += before.elapsed_time(after) / 1000.0
+            out.append((slot, before.elapsed_time(after) / 1000.0))
         self._stall_pairs.clear()
-        self._host_stall = 0.0
-        return total
+        return out
+
+    def take_stall_seconds(self) -> float:
+        return float(sum(s for _, s in self.take_stalls()))
+
+    def take_link(self) -> dict:
+        """Copies are not timed one by one on CUDA (no events beyond those ordering them):
+        nothing measured; the engine fits the link from the stalls instead."""
+        return {}
 
     def close(self) -> None:
         self.synchronize()

@@ -12,6 +12,12 @@ synchronization, which a timed step always has, so nothing inside the step waits
 A *slot* is the compute between two timestamps (see ``timeline``): forward slot ``i`` ends with the
 save of record ``i``; slot ``n_forward`` runs from the last save to the first use in backward; then
 one slot per first use; the last slot runs to the end of the step.
+
+Compute apart from waiting: time the step spent waiting for copies (budget waits, fetches on
+demand, the compute stream waiting on a copy event) is measured where it happens, by the copy
+engine, with the slot it fell in (``current_slot``). ``finish`` keeps it per slot in ``waits``
+and takes it out of that slot's ``compute``: a step that stalled gives the planner the same
+compute as one that did not, and the stall is the model's to predict, not an input.
 """
 from __future__ import annotations
 
@@ -43,6 +49,8 @@ class StepProfile:
     reserve: list[int] = field(default_factory=list)   # per slot: most bytes held outside the
                                                        # records (empty: none held)
     blocks: list = field(default_factory=list)         # the recompute runner's block calls
+    waits: list = field(default_factory=list)          # per slot: seconds spent waiting for
+                                                       # copies (not in ``compute``)
 
     @property
     def n_slots(self) -> int:
@@ -134,7 +142,13 @@ class Profiler:
         if detailed:
             self._marks.append(self._clock.mark())
 
-    def finish(self, step_seconds: float) -> StepProfile:
+    def current_slot(self) -> int:
+        """The slot the step is in now (as ``finish`` will count slots)."""
+        return len(self.nbytes) + len(self.used)
+
+    def finish(self, step_seconds: float, stalls=()) -> StepProfile:
+        """The step's profile. ``stalls``: its waits for copies, (slot, seconds) each (the copy
+        engine's ``take_stalls()``); they are kept apart from the compute of their slots."""
         t = time.perf_counter()
         if self.saves_only:
             self._from_raw()
@@ -143,18 +157,22 @@ class Profiler:
         n_used = len(self.used)
         n_slots = n + 1 + n_used
         use_slot = [n + 1 + rank[i] if i in rank else n_slots for i in range(n)]
+        waits = [0.0] * n_slots
+        for slot, sec in stalls:
+            waits[min(max(slot, 0), n_slots - 1)] += sec
         if self.detailed and n:
             self._marks.append(self._clock.mark())   # end of the step
             times = self._clock.seconds(self._marks[:1 + n] + self._use_marks + self._marks[-1:])
-            compute = [max(0.0, b - a) for a, b in zip(times, times[1:])]
+            compute = [max(0.0, b - a - w) for a, b, w in zip(times, times[1:], waits)]
         else:
-            compute = self._estimate(n, step_seconds)
+            compute = self._estimate(n, max(0.0, step_seconds - sum(waits)))
         self._seconds += time.perf_counter() - t
         self.last_profile = StepProfile(ids=self.ids, signature=signature(self.ids), keys=self.keys,
                            nbytes=self.nbytes, use_slot=use_slot, compute=compute, n_forward=n,
                            detailed=self.detailed and n > 0, step_seconds=step_seconds,
                            profiler_seconds=self._seconds,
-                           reserve=_per_slot(self._held, len(compute)))
+                           reserve=_per_slot(self._held, len(compute)),
+                           waits=waits if len(waits) == len(compute) else [])
         return self.last_profile
 
     def _from_raw(self) -> None:

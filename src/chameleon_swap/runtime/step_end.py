@@ -33,8 +33,10 @@ def finish_step(eng, t0: float, budget: Optional[int], failed: bool,
             memory = _end_memory_step(eng, counters, failed, oom)
         calls = eng._runner.end_step(failed) if eng._runner is not None else []
         step_seconds = time.perf_counter() - t0
-        profile = eng._profiler.finish(step_seconds)
+        stalls = eng._copy.take_stalls()
+        profile = eng._profiler.finish(step_seconds, stalls)
         profile.blocks = calls
+        profile.extra["link"] = eng._copy.take_link()
         changed = _sequence_changed(eng, profile.ids)
         eng._policy.end_step(None if failed else profile)
         report = eng._policy.report()
@@ -45,11 +47,12 @@ def finish_step(eng, t0: float, budget: Optional[int], failed: bool,
             offloaded_tensors=counters.offloaded_tensors,
             prefetched_bytes=counters.prefetched_bytes, fetched_bytes=counters.fetched_bytes,
             sync_fetches=counters.sync_fetches, late_prefetches=counters.late_prefetches,
-            budget_waits=counters.budget_waits, stall_seconds=eng._copy.take_stall_seconds(),
+            budget_waits=counters.budget_waits, stall_seconds=float(sum(s for _, s in stalls)),
             step_seconds=step_seconds, host_peak_bytes=eng._pool.peak_in_use_bytes,
             skipped_bytes=counters.skipped_bytes, failed=failed, **memory,
             sequence_changed=changed, plan_source=report["plan_source"],
             predicted_stall_seconds=report["predicted_stall_seconds"],
+            predicted_step_seconds=report.get("predicted_step_seconds"),
             profiler_seconds=profile.profiler_seconds,
             profile_mode="detailed" if profile.detailed else "lightweight",
             signature=profile.signature, plan_overrides=report["plan_overrides"],
