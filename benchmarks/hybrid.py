@@ -1,6 +1,14 @@
 """Keep, swap or recompute: the hybrid engine against recomputation and swapping alone.
 
     python benchmarks/hybrid.py [--device cuda] [--config 4096x8] [--quick] [--out DIR]
+    python benchmarks/hybrid.py --emulate-link 60MB/s [--label after]    # the CPU, a GPU's ratio
+
+``--emulate-link BW`` (CPU only) runs the engines' copies at that bandwidth
+(``Chameleon(emulate_link=BW)``: the copy threads sleep, never the compute thread), so a 2-core
+CPU shows a GPU's ratio of bytes to compute: on an H100, swap only at 25% costs about 2x the
+plain step (its pinned link moves about 54 GB/s), and a BW for which swap@25% costs at least
+1.8x here reproduces that. The results then also say, per hybrid step, what its plan predicted
+against what it measured, and the files are named ``hybrid-emulated[-LABEL]-cpu.*``.
 
 A Hugging Face ``LlamaForCausalLM`` built from a config (SDPA attention, fp32 weights; bf16
 autocast on CUDA), trained on a schedule of sequence lengths. Modes, interleaved step by step in
@@ -60,7 +68,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per mode and budget")
     p.add_argument("--quick", action="store_true", help="fewer steps, a smaller CPU model")
     p.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    p.add_argument("--emulate-link", default=None, metavar="BW",
+                   help="CPU only: the engines' copies run at this bandwidth (e.g. 60MB/s)")
+    p.add_argument("--label", default=None, help="added to the results' file name (e.g. before)")
     a = p.parse_args(argv)
+    if a.emulate_link is not None:
+        if a.device != "cpu":
+            p.error("--emulate-link slows the CPU's copies; on a GPU the link is real")
+        try:
+            cs.config.parse_bandwidth(a.emulate_link, "--emulate-link")
+        except (TypeError, ValueError) as exc:
+            p.error(str(exc))
     C.apply_threads(a)
     cuda = a.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
@@ -164,8 +182,9 @@ def main(argv=None) -> int:
         for f in FRACTIONS:
             budget = int(natural * f)
             tag = f"{int(f * 100)}%"
-            engines = {f"swap@{tag}": cs.Chameleon(budget, device=device),
-                       f"hybrid@{tag}": cs.Chameleon(budget, device=device, model=model)}
+            link = {} if a.emulate_link is None else {"emulate_link": a.emulate_link}
+            engines = {f"swap@{tag}": cs.Chameleon(budget, device=device, **link),
+                       f"hybrid@{tag}": cs.Chameleon(budget, device=device, model=model, **link)}
             modes = peers + list(engines)
             rec = {m: {"times": [], "all": [], "stats": [], "peaks": []} for m in modes}
             for rep in range(steps):
@@ -181,6 +200,7 @@ def main(argv=None) -> int:
                             rec[m]["peaks"].append(peak)
                         if m in engines:
                             rec[m]["stats"].append(engines[m].last_step)
+                            rec[m].setdefault("visits", []).append(T)
                         advance()
                     losses_equal &= all(torch.equal(losses["none"], v) for v in losses.values())
             if device.type != "cuda":
@@ -197,11 +217,14 @@ def main(argv=None) -> int:
                           "lengths": list(lengths), "batch": 1, "reps": a.reps,
                           "warmup": a.warmup, "fractions": list(FRACTIONS),
                           "autocast": "bf16" if device.type == "cuda" else None,
-                          "threads": torch.get_num_threads()},
+                          "threads": torch.get_num_threads(),
+                          "emulated_link": a.emulate_link},
                "natural_activation_peak_bytes": natural,
                "losses_bitwise_equal_across_modes": bool(losses_equal), "results": results}
     md = markdown(payload)
-    path = C.write_results("hybrid", device, payload, md, a.out)
+    name = "hybrid" if a.emulate_link is None else "hybrid-emulated"
+    name += f"-{a.label}" if a.label else ""
+    path = C.write_results(name, device, payload, md, a.out)
     if C.have_matplotlib():
         plot(results, path.with_suffix(".png"), f"{a.config} on {env['device_name']}")
     print(md)
@@ -233,8 +256,33 @@ def summarize(rec: dict, modes: list, engines: dict, budget: int) -> dict:
                        median_recomputed_bytes=int(C.median(v.recomputed_bytes for v in s)),
                        median_recompute_s=C.median(v.recompute_seconds for v in s),
                        median_stall_s=C.median(v.stall_seconds for v in s),
-                       block_modes=list(s[-1].block_modes))
+                       block_modes=list(s[-1].block_modes),
+                       steps=[prediction_row(T, v) for T, v in zip(r["visits"], s)])
         out[m] = row
+    return out
+
+
+def prediction_row(T: int, st) -> dict:
+    """One engine step: its length, measured and predicted step time, and where its plan came
+    from (``predicted_step_seconds`` is None before the engine had one, and on engines that
+    predate it)."""
+    pred = getattr(st, "predicted_step_seconds", None)
+    return {"length": T, "step_s": st.step_seconds, "predicted_s": pred,
+            "plan_source": st.plan_source, "block_modes": list(st.block_modes)}
+
+
+def prediction_summary(results: dict) -> list:
+    """Per hybrid budget and length: |measured / predicted - 1| at the third visit and later
+    (median), the issue's "within three steps of a size" check."""
+    out = []
+    for tag, res in results.items():
+        steps = res.get(f"hybrid@{tag}", {}).get("steps", [])
+        for T in sorted({s["length"] for s in steps}):
+            seen = [s for s in steps if s["length"] == T]
+            later = [abs(s["step_s"] / s["predicted_s"] - 1) for s in seen[2:] if s["predicted_s"]]
+            if later:
+                out.append({"budget": tag, "length": T, "visits": len(seen),
+                            "median_error_from_visit_3": C.median(later)})
     return out
 
 
@@ -253,7 +301,15 @@ def markdown(payload: dict) -> str:
     peak_how = ("CUDA max_memory_allocated above the step's start" if env.get("device") != "cpu"
                 and "cuda" in str(env.get("device")) else
                 "the bench meter's count of what one step at the longest length allocates")
-    return (f"# hybrid on {env['device_name']}\n\n"
+    link = cfg.get("emulated_link")
+    pred = prediction_summary(payload["results"])
+    pred_md = ("" if not pred else "\n\nPredicted against measured (hybrid, from each length's "
+               "third step on, median |measured / predicted - 1|):\n\n" + C.markdown_table(
+                   ["budget", "length", "steps", "error"],
+                   [[p["budget"], p["length"], p["visits"],
+                     f"{p['median_error_from_visit_3'] * 100:.0f}%"] for p in pred]))
+    return (f"# hybrid on {env['device_name']}"
+            f"{f', emulated link {link}' if link else ''}\n\n"
             f"torch {env['torch']}, commit {env['commit']}; Hugging Face Llama hidden "
             f"{cfg['hidden']} x {cfg['layers']} layers, {cfg['heads']} heads, vocab {cfg['vocab']}, "
             f"lengths {cfg['lengths']}, batch 1, autocast {cfg['autocast']}; natural activation "
@@ -262,7 +318,8 @@ def markdown(payload: dict) -> str:
             f"= (keep, selective, full) of the last step; losses bitwise equal across modes: "
             f"{payload['losses_bitwise_equal_across_modes']}.\n\n"
             + C.markdown_table(["budget", "mode", "step ms", "x none", "total s", "peak device",
-                                "peak resident", "moved", "recomputed", "block modes"], rows))
+                                "peak resident", "moved", "recomputed", "block modes"], rows)
+            + pred_md)
 
 
 def plot(results: dict, path: Path, title: str) -> None:

@@ -2,6 +2,9 @@
 and totals live in ``runtime/stats.py``; the end of a step, which builds them, in
 ``runtime/step_end.py``; the global module hooks in ``runtime/module_hooks.py``).
 
+Why one file (over 400 lines): a third of it is ``Chameleon``'s docstring, the reference of every
+argument a user passes; the rest is the wiring, which reads best next to it.
+
 No policy logic lives here: the engine builds a copy engine, a host arena, an executor and a policy,
 installs the hooks for the duration of a step, and turns the executor's counters into a
 ``StepStats`` at the end of it.
@@ -78,7 +81,15 @@ class Chameleon:
             ``_no_split_modules``, else the largest ``nn.ModuleList`` of one class), or a list of
             submodules, or the dotted name of a ``ModuleList`` (``"model.layers"``).
         link_bandwidth: bytes per second per direction the planner assumes for the host link
-            (a number or ``"25GB/s"``); None (default) measures it. For what-if runs and tests.
+            (a number or ``"25GB/s"``); None (default) measures it. For what-if runs and tests:
+            with it, plans are not checked against the steps (``predicted_step_seconds`` is
+            still reported), since the steps do not run on that link.
+        emulate_link: CPU only. Makes every copy between "device" and "host" take as long as a
+            link of this bandwidth would (a number or ``"200MB/s"``): the copy threads sleep,
+            never the compute thread. A what-if and testing option: on a CPU, where a copy is a
+            memmove the step hides, it reproduces a GPU's ratio of bytes to compute, so stalls,
+            plans and the choice to recompute can be seen and tested. The planner then assumes
+            this bandwidth unless ``link_bandwidth`` says otherwise. None (default): plain copies.
         trace_dir: a directory (created if missing) that receives every step's trace for the
             simulator, ``step-<n>.json`` (``chameleon_swap.sim.load(trace_dir)`` reads them
             back): its slot times, saved tensors and what it measured. Every step is then
@@ -103,14 +114,15 @@ class Chameleon:
                  trace_dir: Optional[Union[str, os.PathLike]] = None,
                  model: Optional[torch.nn.Module] = None, blocks=None,
                  link_bandwidth: Union[int, float, str, None] = None,
-                 history_size: int = DEFAULT_HISTORY_SIZE) -> None:
+                 history_size: int = DEFAULT_HISTORY_SIZE,
+                 emulate_link: Union[int, float, str, None] = None) -> None:
         self.config = EngineConfig(budget=budget, min_tensor_bytes=min_tensor_bytes,
                                    device_memory_limit=device_memory_limit, policy=policy,
                                    host_memory_limit=host_memory_limit,
                                    host_memory_reserve=host_memory_reserve,
                                    length_tolerance=length_tolerance, min_similarity=min_similarity,
                                    plan_cache_size=plan_cache_size, link_bandwidth=link_bandwidth,
-                                   history_size=history_size)
+                                   history_size=history_size, emulate_link=emulate_link)
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module (the model being trained) or None; "
                             f"got {type(model).__name__}")
@@ -123,7 +135,13 @@ class Chameleon:
         if self.config.device_memory_limit_bytes is not None and self.device.type != "cuda":
             raise ValueError(f"device_memory_limit caps CUDA memory, but this engine's device is "
                              f"{self.device}; use budget= to bound saved activations on the CPU")
-        self._copy = make_copy_engine(self.device)
+        emulated = self.config.emulate_link_bytes_per_s
+        if emulated is not None and self.device.type != "cpu":
+            raise ValueError(f"emulate_link slows the CPU copy engine's copies, but this engine's "
+                             f"device is {self.device}; on a GPU the link is real (use "
+                             f"link_bandwidth= to plan for another one)")
+        self._copy = make_copy_engine(self.device, **({} if emulated is None
+                                                      else {"bytes_per_s": emulated}))
         # After the copy engine: on CUDA the context exists before the reserve thread pins.
         self._pool = HostPool(self.config.host_memory_limit_bytes, pin=self.device.type == "cuda",
                               reserve_bytes=self.config.host_memory_reserve_bytes)
@@ -138,9 +156,15 @@ class Chameleon:
         self._profiler = Profiler(self.device)
         self._profiler.saves_only = self._resident_only
         self._ex.profiler = self._profiler
+        self._copy.stall_slot = self._profiler.current_slot   # waits kept apart from compute
+        if self.device.type == "cpu":
+            self._copy.clock = self._profiler.clock.mark          # ... on the profiler's clock
         self._policy = make_policy(self.config.policy, self._ex,
                                    cache_size=self.config.plan_cache_size)
         self._policy.bandwidth_fn = self._bandwidth
+        checks = getattr(self._policy, "checks", None)
+        if checks is not None:           # a what-if link cannot be checked against the steps
+            checks.enabled = self.config.link_bandwidth_bytes_per_s is None
         self._ex.policy = self._policy
         self._runner = self._make_runner(model, blocks)
         self._prev_ids: Optional[list] = None
@@ -221,8 +245,8 @@ class Chameleon:
 
     def _bandwidth(self) -> tuple[float, float]:
         """(device->host, host->device) bytes per second for the planner: ``link_bandwidth``
-        when given, else measured once."""
-        given = self.config.link_bandwidth_bytes_per_s
+        when given, else the emulated link's, else measured once."""
+        given = self.config.link_bandwidth_bytes_per_s or self.config.emulate_link_bytes_per_s
         if given is not None:
             return given, given
         bw = cached_bandwidth(self.device)

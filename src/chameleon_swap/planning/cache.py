@@ -32,6 +32,9 @@ class PlanEntry:
     budget_bytes: int = 0               # the budget it was made for
     made_at: int = 0
     last_used: int = 0
+    predicted_step_seconds: float = 0.0  # the whole step as the timeline model predicted it
+    replanned: bool = False             # made again after its predictions missed the steps
+    modes: Optional[dict] = None        # with model=: block -> mode the profiled step ran
     _index: Optional[KeyIndex] = field(default=None, repr=False)
 
     @property
@@ -100,6 +103,7 @@ def compile_plan(profile, tl_plan, step: int) -> PlanEntry:
                      n_forward=n, move=move, triggers=triggers, at_forward_end=at_end,
                      predicted_stall_seconds=float(pred.stall_seconds) if pred else 0.0,
                      predicted_peak_bytes=int(pred.peak_bytes) if pred else 0,
+                     predicted_step_seconds=float(pred.total_seconds) if pred else 0.0,
                      nbytes=list(profile.nbytes),
                      moved_bytes=sum(profile.nbytes[j] for j in tl_plan.move),
                      budget_bytes=tl_plan.budget or 0,

@@ -24,10 +24,10 @@ into the timeline of a mix of modes:
 
 ``plan_hybrid`` searches families of mixes (blocks converted in order of the shortest wait between
 their forward and their backward, since those are the ones the link cannot hide), runs the swap
-planner on each and keeps the least predicted time under the budget. The all-keep mix (swap only)
-and the all-full mix are always among the candidates, and the swap planner is never worse than
-moving nothing, so the result is never predicted slower than full recomputation of every block
-when that fits the budget, nor slower than swapping alone.
+planner on each and keeps the least predicted time under the budget. The uniform mixes (swap only,
+all selective where measured, all full) are always planned in full beside the winner, so the
+result is never predicted slower than any of them where it fits. When no mix fits, the one with
+the smallest peak is chosen (the policy then warns), never the one that keeps everything.
 """
 from __future__ import annotations
 
@@ -173,10 +173,15 @@ def plan_hybrid(profile: Profile, blocks: Sequence[Block], budget: Optional[int]
                                                  simulate(profile, Plan(frozenset()), budget)))
     search = _ModeSearch(profile, blocks, budget)
     best = search.run()
-    final = plan_swaps(search.view(best), budget, max_evals=max_evals)
-    quick = search.plans[best]
-    swap = final if search.key(final.predicted, best) <= search.key(quick.predicted, best) else quick
-    return _made(search.view(best), blocks, best, swap, profile)
+    # The search compared quick swap plans; the winner and the three uniform mixes (swap only,
+    # all selective where measured, all full) are planned in full, and the least of them is the
+    # plan: its prediction is never above any of the three where they fit.
+    finals = {m: plan_swaps(search.view(m), budget, max_evals=max_evals)
+              for m in dict.fromkeys((best, *search.uniform()))}
+    finals[best] = min(finals[best], search.plans[best],
+                       key=lambda pl: search.key(pl.predicted, best))
+    best = min(finals, key=lambda m: (search.key(finals[m].predicted, m), m))
+    return _made(search.view(best), blocks, best, finals[best], profile)
 
 
 def _made(view: Profile, blocks, modes, swap: Plan, keep_view: Optional[Profile] = None):
@@ -207,7 +212,7 @@ def best_count(score: Callable[[int], tuple], n: int) -> int:
             hi = m2
         else:
             lo = m1
-    return min(range(lo, hi + 1), key=lambda k: (at(k), k))
+    return min((*range(lo, hi + 1), best), key=lambda k: (at(k), k))
 
 
 class _ModeSearch:
@@ -229,9 +234,20 @@ class _ModeSearch:
         return v
 
     def key(self, pred: Prediction, modes: tuple) -> tuple:
+        # A mix that fits beats one that does not; among those that do not, the smallest peak
+        # (never quietly everything kept); then the least predicted time.
         recomputed = sum(m != "keep" for m in modes)
-        return (not pred.budget_ok, round(pred.total_seconds / self.scale, 9), recomputed,
+        over = 0 if pred.budget_ok else pred.peak_bytes
+        return (not pred.budget_ok, over, round(pred.total_seconds / self.scale, 9), recomputed,
                 pred.moved_bytes)
+
+    def uniform(self) -> list:
+        """The uniform mixes: swap only, all selective (where measured), all full."""
+        out = [tuple("keep" for _ in self.blocks)]
+        if self.order and all(self.blocks[b].selective_known for b in self.order):
+            out.append(tuple("selective" if blk.eligible else "keep" for blk in self.blocks))
+        out.append(full_recompute_modes(self.blocks))
+        return out
 
     def score(self, modes: tuple) -> tuple:
         p = self.plans.get(modes)
@@ -259,6 +275,5 @@ class _ModeSearch:
         if n and all(self.blocks[b].selective_known for b in self.order):
             cands.append(self.best_k(self.family("selective", "keep"), n))
             cands.append(self.best_k(self.family("full", "selective"), n))
-        cands.append(full_recompute_modes(self.blocks))     # always: the full-recompute bound
-        cands.append(tuple("keep" for _ in self.blocks))    # always: swap only
+        cands += self.uniform()                 # always: swap only, all selective, all full
         return min(cands, key=lambda m: (self.score(m), m))

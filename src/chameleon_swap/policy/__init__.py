@@ -6,8 +6,9 @@ Every policy implements ``begin_step``, ``make_room(rec)`` (forward: room for a 
 The guard is the safety net under the others.
 
 Owns the per-step decisions: which record moves, when it comes back, and whether a block is kept,
-swapped or recomputed (``guard.py``, ``chameleon.py`` with ``StaticPolicy``, ``schedule.py``,
-``block_modes.py``, the memory cap in ``memory.py``).
+swapped or recomputed (``guard.py``, ``chameleon.py``, ``static.py``, ``schedule.py``,
+``block_modes.py``, the memory cap in ``memory.py``), and the closed loop that checks every plan
+against the step it ran and corrects the model when it misses (``checks.py``).
 
 May import: ``config``, ``runtime/`` (the executor it drives, the profile it reads), ``planning/``
 (the searches it asks) and ``copy/``. Never ``engine.py``.
@@ -16,7 +17,8 @@ Imported by: ``engine.py`` and ``parallel/``.
 from __future__ import annotations
 
 from .guard import GuardPolicy
-from .chameleon import ChameleonPolicy, StaticPolicy
+from .chameleon import ChameleonPolicy
+from .static import StaticPolicy
 from .schedule import ScheduleGuardPolicy
 
 POLICIES = {"guard": GuardPolicy, "chameleon": ChameleonPolicy, "static": StaticPolicy,

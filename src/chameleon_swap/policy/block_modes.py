@@ -22,9 +22,11 @@ size.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
+from ..config import format_bytes
 from ..planning.modes import Block, HybridPlan, plan_hybrid, working_set
 from ..planning.signatures import step_size
 from ..planning.timeline import Profile, Span
@@ -48,6 +50,8 @@ class ModePlan:
     budget: int
     measured: bool              # made from this key's own keep view (else scaled from another)
     hybrid: HybridPlan
+    key: Optional[int] = None   # the step size it was made for
+    replanned: bool = False     # made again after its predictions missed (not yet reported)
 
 
 class BlockModes:
@@ -60,6 +64,11 @@ class BlockModes:
         self._probe: Optional[int] = None               # block to run selective once
         self._probed = False
         self.eligible: list[bool] = []                  # per runner block (set by the engine)
+        self.visits: dict[int, int] = {}                # steps run per key
+        self.compute_scale: dict[int, float] = {}       # per key: measured / predicted compute
+        self.margin: dict[int, int] = {}                # per key: bytes the model missed (kept
+                                                        # off the budget it plans for)
+        self.warned_budgets: set = set()
         self.begin_step(None)
 
     # ------------------------------------------------------------------ during the step
@@ -90,6 +99,45 @@ class BlockModes:
         if mode != "keep":
             self.pending[b] = self._working_set(b)
         return mode
+
+    # ------------------------------------------------------------------ what the step ran on
+    def predicted_seconds(self) -> Optional[float]:
+        """The step time the applied mode plan predicts for this step (scaled to its size when
+        the plan was made for another size); None without a plan."""
+        p = self.plan
+        if p is None or self.key is None:
+            return None
+        pred = p.hybrid.predicted
+        if pred is None:
+            return None
+        return float(pred.total_seconds) * self.input_bytes / max(1, p.input_bytes)
+
+    def source(self) -> Optional[str]:
+        """plan_source of this step with ``model=``: "replanned" (the first step on a plan made
+        again after its predictions missed), "cache" (a size seen before, on its own plan, found
+        in the plans kept per size), "planned" (the first visit of a size: its plan is made, or
+        the nearest size's plan stands in); None when no mode plan ran."""
+        p = self.plan
+        if p is None or self.key is None:
+            return None
+        if p.replanned:
+            p.replanned = False
+            return "replanned"
+        if p.key == self.key and self.visits.get(self.key, 0) > 0:
+            return "cache"
+        return "planned"
+
+    def replan(self, key: int, compute_factor: float, missed_bytes: int = 0) -> None:
+        """Correct the key's compute by ``compute_factor`` and its memory by ``missed_bytes``
+        (what the guard had to move beyond the plan: the model counted that much too few
+        resident bytes), and plan it again (the link is the bandwidth function's, corrected by
+        the caller)."""
+        self.compute_scale[key] = self.compute_scale.get(key, 1.0) * compute_factor
+        if self.budget is not None and missed_bytes > 0:
+            self.margin[key] = min(self.budget // 2, self.margin.get(key, 0) + missed_bytes)
+        self._make(key)
+        if key in self.plans:
+            self.plans[key].replanned = True
 
     def working_set(self, b: int) -> int:
         """Bytes a recompute of block ``b`` re-creates, scaled to this step's size (asked when
@@ -131,6 +179,7 @@ class BlockModes:
         """Learn from the step: a keep view, selective figures; plan its key when needed."""
         if not ok or self.budget is None or self.key is None or not calls:
             return
+        self.visits[self.key] = self.visits.get(self.key, 0) + 1
         first = {}
         for c in calls:                      # the first call of each block (one per step)
             first.setdefault(c.block, c)
@@ -148,7 +197,7 @@ class BlockModes:
         d2h, h2d = self.bandwidth_fn()
         tl = profile.to_timeline(d2h, h2d)
         blocks = [Block(c.first_record, max(c.first_record, c.end_record),
-                        c.forward_seconds or 0.0, c.input_bytes,
+                        block_compute(profile, c), c.input_bytes,
                         eligible=c.block >= len(self.eligible) or self.eligible[c.block])
                   for c in calls]
         self.views[self.key] = KeepView(tl, blocks, [c.block for c in calls], self.input_bytes)
@@ -178,13 +227,29 @@ class BlockModes:
             if view is None:
                 return
             view = _scaled(view, self.input_bytes / max(1, view.input_bytes), self.input_bytes)
+        f = self.compute_scale.get(key, 1.0)
+        if f != 1.0:
+            view = _scaled(view, 1.0, view.input_bytes, seconds=f)
         d2h, h2d = self.bandwidth_fn()
         prof = replace(view.profile, d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d)
         blocks = [self._with_selective(prof, blk) for blk in view.blocks]
-        hp = plan_hybrid(prof, blocks, self.budget)
+        hp = plan_hybrid(prof, blocks, self.budget - self.margin.get(key, 0))
         modes = dict(zip(view.block_ids, hp.modes))
         self.plans[key] = ModePlan(modes, dict(zip(view.block_ids, hp.working_set)),
-                                   view.input_bytes, self.budget, measured, hp)
+                                   view.input_bytes, self.budget, measured, hp, key=key)
+        pred = hp.predicted
+        fits = pred.budget_ok and not pred.forced_offloads and not pred.overflow_bytes
+        if not fits and self.budget not in self.warned_budgets:
+            self.warned_budgets.add(self.budget)
+            k, sel, full = hp.counts()
+            warnings.warn(
+                f"chameleon-swap: no mix of kept, swapped and recomputed blocks fits the budget "
+                f"of {format_bytes(self.budget)} for this step size without copies forced in "
+                f"line; the smallest mix found (keep {k}, selective {sel}, full {full}, with "
+                f"swapping) peaks at {format_bytes(max(pred.peak_bytes, pred.overflow_bytes))}"
+                f" and forces {pred.forced_offloads} copies. It runs that mix, and the guard "
+                f"holds the budget by waiting for copies; raise the budget above that peak for "
+                f"full speed", RuntimeWarning, stacklevel=2)
         if (not self._probed and self._probe is None and self.sel_bytes_ratio is None
                 and "full" in hp.modes):
             # The last full block in forward order: its kept outputs are held the shortest
@@ -199,17 +264,31 @@ class BlockModes:
                        selective_seconds=blk.forward_seconds * self.sel_seconds_ratio)
 
 
+def block_compute(profile, call) -> float:
+    """A block call's forward time without the waits for copies inside it: a wait to make room
+    for record ``i`` falls in slot ``i + 1`` (after its save's mark), so the call's own waits are
+    those of slots ``first_record + 1 .. end_record``."""
+    sec = call.forward_seconds or 0.0
+    waits = getattr(profile, "waits", None)
+    if waits:
+        sec -= sum(waits[call.first_record + 1:call.end_record + 1])
+    return max(0.0, sec)
+
+
 def _moved(planned: int, now: int) -> bool:
     return abs(now - planned) > REPLAN_BUDGET_CHANGE * max(1, planned)
 
 
-def _scaled(view: KeepView, f: float, input_bytes: int) -> KeepView:
+def _scaled(view: KeepView, f: float, input_bytes: int,
+            seconds: Optional[float] = None) -> KeepView:
     """The keep view of another size: bytes and times in proportion (attention's quadratic part
-    is not modelled; the guard covers the difference)."""
+    is not modelled; the guard covers the difference). ``seconds`` scales times alone (a
+    compute correction), default ``f``."""
+    t = f if seconds is None else seconds
     p = view.profile
     spans = tuple(Span(int(sp.nbytes * f), sp.save, sp.use, sp.movable) for sp in p.spans)
-    prof = replace(p, compute=tuple(c * f for c in p.compute), spans=spans,
+    prof = replace(p, compute=tuple(c * t for c in p.compute), spans=spans,
                    reserve=tuple(int(r * f) for r in p.reserve))
-    blocks = [replace(b, forward_seconds=b.forward_seconds * f,
+    blocks = [replace(b, forward_seconds=b.forward_seconds * t,
                       input_bytes=int(b.input_bytes * f)) for b in view.blocks]
     return KeepView(prof, blocks, view.block_ids, input_bytes)

@@ -14,8 +14,9 @@ saved ordinal, dtype, shape with varying dimensions tolerated), never by address
 Whatever matches nothing goes to the guard, and the guard holds the budget whatever the plan says:
 a stale plan costs speed, never the budget (LESSONS 6).
 
-``StaticPolicy`` (``policy="static"``) is the contrast baseline of warm-up-frozen peers: the same
-planner, run once on the first step after warm-up, then applied by save position forever.
+``StaticPolicy`` (``policy="static"``, ``static.py``) is the contrast baseline of warm-up-frozen
+peers: the same planner, run once on the first step after warm-up, then applied by save position
+forever.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from typing import Optional
 from ..runtime.executor import HOST, OFFLOADING, RESIDENT, Executor, Record
 from .guard import GuardPolicy
 from .block_modes import BlockModes
+from .checks import PlanChecks, compute_factor, stall_fn
 from ..planning.cache import DEFAULT_PLAN_CACHE_SIZE, PlanCache, PlanEntry, compile_plan
 
 RECENT_STEPS = 4          # an estimated plan used this recently earns a detailed step
@@ -43,7 +45,8 @@ class ChameleonPolicy:
         self.cache = PlanCache(cache_size)
         self.bandwidth_fn = None            # () -> (d2h, h2d) bytes/s, set by the engine
         # Block modes (keep / selective / full) when the engine was given a model.
-        self.modes = BlockModes(lambda: self.bandwidth_fn())
+        self.modes = BlockModes(lambda: self.link())
+        self.checks = PlanChecks()          # every plan checked against the step it ran
         self.step_no = 0
         self._want_detail = True            # the very first step is timed
         self._prev_sig: Optional[str] = None
@@ -109,10 +112,12 @@ class ChameleonPolicy:
     def _span_for(self, rec: Record) -> Optional[int]:
         self._follow()
         if self._active is not None:
+            if not self._modes_agree(self._active):
+                return None
             self._applied = self._active
             return rec.index if rec.index < self._active.n_forward else None
         plan = self._fuzzy
-        if plan is None or rec.key is None:
+        if plan is None or rec.key is None or not self._modes_agree(plan):
             return None
         span = plan.index.find(rec.key)
         if span is None or span in self._taken:
@@ -121,6 +126,15 @@ class ChameleonPolicy:
         self._applied = plan
         self._fuzzy_used = True
         return span
+
+    def _modes_agree(self, plan: PlanEntry) -> bool:
+        """A swap plan profiled with other block modes than this step runs does not stand for
+        its tensors (a recomputed block saves other tensors, and frees room the plan did not
+        know of): matching it by key would move what this step's mode plan keeps."""
+        now = self.modes.plan.modes if self.modes.key is not None and self.modes.plan else None
+        if now is None or plan.modes is None:
+            return True
+        return all(now.get(b, m) == m for b, m in plan.modes.items())
 
     def _plan(self) -> Optional[PlanEntry]:
         return self._active if self._active is not None else (self._fuzzy if self._fuzzy_used else None)
@@ -250,19 +264,36 @@ class ChameleonPolicy:
         """What the engine puts into StepStats for this step."""
         return self._report
 
+    def link(self) -> tuple[float, float]:
+        """(d2h, h2d) bytes/s the planner uses: as corrected from the steps, else configured or
+        measured once (``bandwidth_fn``)."""
+        return self.checks.link or self.bandwidth_fn()
+
     def end_step(self, profile=None) -> None:
         self.guard.end_step()
         applied = self._applied
         source = "guard"
+        predicted = predicted_stall = None
         if applied is not None:
-            if profile is not None and applied.signature == profile.signature and not self._fuzzy_used:
+            if applied.replanned:
+                source, applied.replanned = "replanned", False
+            elif profile is not None and applied.signature == profile.signature and not self._fuzzy_used:
                 source = "planned" if applied.signature == self._prev_sig else "cache"
             else:
                 source = "planned"
             applied.last_used = self.step_no
+            predicted = applied.predicted_step_seconds or None
+            predicted_stall = applied.predicted_stall_seconds
+        mode_plan = self.modes.plan if self.modes.key is not None else None
+        if mode_plan is not None:
+            # With model= the step ran a mode plan: its source and prediction are the step's.
+            source = self.modes.source() or source
+            predicted = self.modes.predicted_seconds()
+            pred = mode_plan.hybrid.predicted
+            predicted_stall = float(pred.stall_seconds) if pred is not None else None
         self._report = {"plan_source": source,
-                        "predicted_stall_seconds": None if applied is None
-                        else applied.predicted_stall_seconds,
+                        "predicted_stall_seconds": predicted_stall,
+                        "predicted_step_seconds": predicted,
                         "plan_overrides": self.overrides}
         if profile is not None and profile.n_forward > 0 and self.ex.budget is not None:
             self._adapt(profile)
@@ -271,7 +302,42 @@ class ChameleonPolicy:
             t0 = time.perf_counter()         # mode planning counts as planning time too
             self.modes.end_step(profile, profile.blocks, ok=True)
             self.planner_seconds += time.perf_counter() - t0
+        if profile is not None and self.ex.budget is not None:
+            self._check(profile, applied, mode_plan, predicted)
         self.step_no += 1
+
+    # ------------------------------------------------------------------ the closed loop
+    def _check(self, profile, applied: Optional[PlanEntry], mode_plan, predicted) -> None:
+        """Compare the step with its prediction; after ``MISSES_TO_REPLAN`` misses of one key,
+        correct the model (link, compute) from this step and plan the key again."""
+        if predicted is None:
+            return
+        key = ("modes", self.modes.key) if mode_plan is not None else ("swap", applied.signature)
+        measured = profile.step_seconds
+        if not self.checks.observe(key, predicted, measured):
+            return
+        t0 = time.perf_counter()
+        stall = float(sum(profile.waits)) if profile.waits else 0.0
+        link = profile.extra.get("link", {})
+        if mode_plan is not None:
+            hp, scale = mode_plan.hybrid, self.modes.input_bytes / max(1, mode_plan.input_bytes)
+            self.checks.correct_link(self.link(), link, stall_fn(hp.profile, hp.swap,
+                                                                  self.ex.budget, scale), stall)
+            pred = hp.predicted
+            f = compute_factor(measured, stall, pred.total_seconds * scale,
+                               pred.stall_seconds * scale)
+            missed = self.ex.stats.offloaded_bytes - int(pred.moved_bytes * scale)
+            self.modes.replan(self.modes.key, f, missed if stall > pred.stall_seconds else 0)
+        elif profile.signature == applied.signature and profile.n_forward > 0:
+            from ..planning.swaps import plan as make_plan
+            tl = profile.to_timeline(*self.link())
+            tl_plan = make_plan(tl, self.ex.budget)
+            self.checks.correct_link(self.link(), link,
+                                     stall_fn(tl, tl_plan, self.ex.budget, 1.0), stall)
+            entry = self._make(profile)
+            entry.replanned = True
+            self.cache.put(entry)
+        self.planner_seconds += time.perf_counter() - t0
 
     def block_mode(self, b: int, input_bytes: int) -> str:
         """The mode block ``b`` runs in now (asked by the recompute runner at its start)."""
@@ -313,68 +379,12 @@ class ChameleonPolicy:
     def _make(self, profile) -> PlanEntry:
         from ..planning.swaps import plan as make_plan
         t0 = time.perf_counter()
-        d2h, h2d = self.bandwidth_fn()
+        d2h, h2d = self.link()
         tl_plan = make_plan(profile.to_timeline(d2h, h2d), self.ex.budget)
         entry = compile_plan(profile, tl_plan, self.step_no)
+        if profile.blocks:
+            entry.modes = {}
+            for c in profile.blocks:
+                entry.modes.setdefault(c.block, c.mode)
         self.planner_seconds += time.perf_counter() - t0
         return entry
-
-
-class StaticPolicy(ChameleonPolicy):
-    """Profile once after warm-up, freeze the plan, apply it by save position, never adapt."""
-
-    name = "static"
-    adaptive = False
-    recomputes = False        # the frozen-schedule baseline stays swap-only
-    WARMUP_STEPS = 1
-
-    def __init__(self, ex: Executor, cache_size: int = DEFAULT_PLAN_CACHE_SIZE) -> None:
-        super().__init__(ex, cache_size)
-        self.frozen: Optional[PlanEntry] = None
-        self._want_detail = False
-
-    def wants_detail(self) -> bool:
-        return self.frozen is None and self.step_no >= self.WARMUP_STEPS and self.ex.budget is not None
-
-    def begin_step(self) -> None:
-        self.guard.begin_step()
-        self._reset_step()
-
-    def _span_for(self, rec: Record) -> Optional[int]:
-        f = self.frozen
-        if f is None or rec.index >= f.n_forward:
-            return None
-        self._applied = f
-        return rec.index                      # by position, whatever the tensor is
-
-    def _plan(self) -> Optional[PlanEntry]:
-        return self.frozen
-
-    def after_save(self, rec: Record) -> None:
-        if self.ex.budget is None:
-            return
-        span = self._span_for(rec)
-        if span is None:
-            self.guard.after_save(rec)
-            return
-        self._span_of[rec.index] = span
-        self._rec_of[span] = rec
-        if self.frozen.move[span]:
-            if rec.state == RESIDENT and rec.counted:
-                self.ex.offload(rec)
-                self.guard._inflight.append(rec)
-        else:
-            self._kept.append(rec)
-        if rec.index == self.frozen.n_forward - 1:
-            self._forward_end()
-
-    def end_step(self, profile=None) -> None:
-        self.guard.end_step()
-        self._report = {"plan_source": "planned" if self._applied is not None else "guard",
-                        "predicted_stall_seconds": None if self._applied is None
-                        else self._applied.predicted_stall_seconds,
-                        "plan_overrides": self.overrides}
-        if (self.frozen is None and profile is not None and profile.detailed
-                and profile.n_forward > 0 and self.ex.budget is not None):
-            self.frozen = self._make(profile)
-        self.step_no += 1

@@ -41,7 +41,8 @@ class GuardPolicy:
         return False                       # the guard needs no timings
 
     def report(self) -> dict:
-        return {"plan_source": "guard", "predicted_stall_seconds": None, "plan_overrides": 0}
+        return {"plan_source": "guard", "predicted_stall_seconds": None,
+                "predicted_step_seconds": None, "plan_overrides": 0}
 
     # ------------------------------------------------------------------ forward
     def make_room(self, rec: Record) -> None:

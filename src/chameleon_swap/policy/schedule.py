@@ -47,7 +47,8 @@ class ScheduleGuardPolicy(GuardPolicy):
         self._need.clear()
 
     def report(self) -> dict:
-        return {"plan_source": "schedule", "predicted_stall_seconds": None, "plan_overrides": 0}
+        return {"plan_source": "schedule", "predicted_stall_seconds": None,
+                "predicted_step_seconds": None, "plan_overrides": 0}
 
     def _key(self, rec: Record) -> tuple[int, int]:
         """Larger is needed later: (position of its backward, minus save order)."""

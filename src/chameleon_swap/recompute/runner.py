@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -48,6 +49,8 @@ from ..runtime.profiler import _CpuClock
 from ..runtime._eager import is_compiling as _is_compiling
 from ..runtime._eager import top_saved_hooks as _top_hooks
 
+log = logging.getLogger("chameleon_swap")
+
 MODES = ("keep", "selective", "full")
 __all__ = ["MODES", "BlockCall", "BlockRunner", "find_blocks"]
 
@@ -55,6 +58,27 @@ __all__ = ["MODES", "BlockCall", "BlockRunner", "find_blocks"]
 # the cache twice, so those calls run keep.
 _CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
 
+
+
+def _cache_off(model: nn.Module) -> Optional[bool]:
+    """A Hugging Face model in training with ``config.use_cache`` on passes a KV cache to every
+    layer, and a block called with a cache must run keep (a recompute would append to the cache
+    twice). Training never reads that cache, so, as transformers does itself when gradient
+    checkpointing is on, the cache is turned off for the step: ``use_cache`` is set False and the
+    value it had is returned for ``end_step`` to put back (None: nothing changed). The loss and
+    gradients are the same bits: the attention reads the same keys and values either way."""
+    cfg = getattr(model, "config", None)
+    if not model.training or getattr(cfg, "use_cache", None) is not True:
+        return None
+    if not _CACHE_NOTED:
+        _CACHE_NOTED.append(True)
+        log.info("chameleon-swap: use_cache=True is turned off during training steps so that "
+                 "blocks can be recomputed (as transformers does with gradient checkpointing)")
+    cfg.use_cache = False
+    return True
+
+
+_CACHE_NOTED: list = []
 
 
 # --------------------------------------------------------------------------- what ran
@@ -148,6 +172,7 @@ class BlockRunner:
         self._live: list[_Live] = []
         self._open_ws: list[_Live] = []
         self._timed: list[tuple] = []                # (call, "forward"|"recompute", start, end)
+        self._cache_was: Optional[bool] = None       # use_cache turned off for this step
 
     @property
     def in_step(self) -> bool:
@@ -207,6 +232,7 @@ class BlockRunner:
             raise RuntimeError("BlockRunner.begin_step() was called twice without end_step()")
         self._step += 1
         self._active, self._detailed = True, bool(detailed)
+        self._cache_was = _cache_off(self.model)
         # No block runs or recomputes between steps: counts an interrupt left unbalanced go.
         self._depth = self._recomputes = 0
         self._refresh_eligible()     # the user may have turned gradient checkpointing on or off
@@ -216,6 +242,8 @@ class BlockRunner:
         """What ran this step. Releases every hold of this step still outstanding. Timings are
         read from the clock here (on CUDA, after the caller synchronized); none after a failure."""
         self._active = False
+        if self._cache_was is not None:
+            self.model.config.use_cache, self._cache_was = self._cache_was, None
         for live in self._live:
             self._release_all(live)
         self._live, self._open_ws = [], []

@@ -48,8 +48,13 @@ class StepStats:
     failed: bool = False               # the step ended with an exception
     # Adaptivity (profiler and plans).
     sequence_changed: bool = False     # differs from the previous step beyond the thresholds
-    plan_source: str = "guard"         # "guard" | "planned" | "cache"
+    plan_source: str = "guard"         # "guard" | "planned" | "cache" | "replanned" (made
+                                       # again after its predictions missed the steps)
     predicted_stall_seconds: Optional[float] = None   # the applied plan's prediction
+    # The applied plan's predicted step time, from the model that chose it (the mode plan's with
+    # model=): a step that runs >10% over it twice for one size makes the engine correct its model
+    # and plan again. None: no plan applied.
+    predicted_step_seconds: Optional[float] = None
     profiler_seconds: float = 0.0      # host time the profiler took during this step
     profile_mode: str = "lightweight"  # "lightweight" | "detailed" (timed)
     signature: str = ""                # exact hash of this step's operator sequence

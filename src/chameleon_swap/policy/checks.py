@@ -1,0 +1,113 @@
+"""Every plan is checked against the step it ran: the closed loop around the planner.
+
+A plan carries the step time its model predicted (``StepStats.predicted_step_seconds``). When a
+key (a swap plan's signature, or a step size with ``model=``) runs more than ``MISS`` away from
+its prediction on ``MISSES_TO_REPLAN`` steps in a row, the model is corrected from what those
+steps measured and the key is planned again; the first step on the new plan reports
+``plan_source == "replanned"``. Slower than predicted is what costs users; faster is checked too,
+since a model that overrates compute or underrates the link mis-chooses between swapping and
+recomputing as surely.
+
+What is corrected:
+
+* the link: each direction's effective bandwidth, where the copy engine times its copies (the
+  CPU's threads do: bytes over the seconds they spent copying); where it does not (CUDA), one
+  factor on both directions, fitted so that the timeline model predicts the stall the step
+  measured (bisection: the stall grows as the link slows);
+* the compute: with ``model=``, the key's keep view is scaled by measured over predicted compute
+  (the step without its waits), which catches what the keep view missed (the engine's own work
+  per saved tensor, a size planned from another size's view).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable, Hashable, Optional
+
+from ..planning.timeline import simulate
+
+MISS = 0.10                 # measured off predicted by more than this share is a miss
+MIN_MISS_SECONDS = 0.005    # and by more than this: a few milliseconds of jitter on a tiny
+                            # step is noise, not a model to correct (real steps take 0.1-1 s)
+MISSES_TO_REPLAN = 2        # misses in a row (one key) before the model is corrected
+COMPUTE_CLAMP = (0.25, 4.0)  # a correction of compute by more than this is not believed
+MIN_LINK_SECONDS = 1e-3     # copying time below which a direction's bandwidth is not measured
+
+
+class PlanChecks:
+    """Misses per key, and the link as corrected from the steps (None: as configured)."""
+
+    def __init__(self) -> None:
+        self.misses: dict = {}
+        self.link: Optional[tuple[float, float]] = None
+        # Off when the user gave the planner a link (``link_bandwidth=``): a what-if plans for a
+        # link the steps do not run on, so no step can confirm or refute it.
+        self.enabled = True
+
+    def observe(self, key: Hashable, predicted: Optional[float], measured: float) -> bool:
+        """Record a step of ``key``; True when it is time to correct the model and plan again."""
+        if not self.enabled or predicted is None or predicted <= 0:
+            return False
+        if abs(measured - predicted) > max(MISS * predicted, MIN_MISS_SECONDS):
+            n = self.misses[key] = self.misses.get(key, 0) + 1
+            if n >= MISSES_TO_REPLAN:
+                self.misses[key] = 0
+                return True
+            return False
+        self.misses.pop(key, None)
+        return False
+
+    def correct_link(self, assumed: tuple[float, float], measured: dict,
+                     stall_at: Optional[Callable[[float], float]] = None,
+                     measured_stall: float = 0.0) -> tuple[float, float]:
+        """The link from what the step measured: per direction from ``measured`` (``{"d2h":
+        (bytes, seconds), ...}``, the copy engine's ``take_link()``), else one factor on
+        ``assumed`` such that ``stall_at(factor)`` (the model's stall with the link scaled by
+        factor) meets ``measured_stall``. Kept in ``self.link``."""
+        out = list(assumed)
+        timed = False
+        for i, name in enumerate(("d2h", "h2d")):
+            nbytes, seconds = measured.get(name, (0, 0.0))
+            if nbytes > 0 and seconds > MIN_LINK_SECONDS:
+                out[i] = nbytes / seconds
+                timed = True
+        if not timed and stall_at is not None and measured_stall > stall_at(1.0):
+            f = fit_factor(stall_at, measured_stall)
+            out = [assumed[0] * f, assumed[1] * f]
+        self.link = (float(out[0]), float(out[1]))
+        return self.link
+
+
+def fit_factor(stall_at: Callable[[float], float], target: float, lo: float = 1 / 256,
+               hi: float = 1.0, steps: int = 14) -> float:
+    """The link factor in ``[lo, hi]`` whose predicted stall is closest to ``target`` from
+    below (the stall falls as the factor grows)."""
+    if stall_at(lo) <= target:
+        return lo
+    for _ in range(steps):
+        mid = (lo * hi) ** 0.5           # geometric: bandwidths span orders of magnitude
+        if stall_at(mid) > target:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def compute_factor(measured_seconds: float, measured_stall: float, predicted_seconds: float,
+                   predicted_stall: float) -> float:
+    """Measured over predicted compute (each step without its waits), clamped."""
+    pred = predicted_seconds - predicted_stall
+    meas = measured_seconds - measured_stall
+    if pred <= 0 or meas <= 0:
+        return 1.0
+    lo, hi = COMPUTE_CLAMP
+    return min(hi, max(lo, meas / pred))
+
+
+def stall_fn(tl_profile, plan, budget, scale: float):
+    """``factor -> stall`` the timeline model predicts for ``plan`` with the link scaled by
+    ``factor`` (and the step's times by ``scale``, for a plan made at another size)."""
+    def stall_at(f: float) -> float:
+        pr = replace(tl_profile, d2h_bytes_per_s=tl_profile.d2h_bytes_per_s * f,
+                     h2d_bytes_per_s=tl_profile.h2d_bytes_per_s * f)
+        return simulate(pr, plan, budget).stall_seconds * scale
+    return stall_at
