@@ -146,9 +146,13 @@ def test_best_count_finds_the_least_of_a_v(n, target):
 
 # ----------------------------------------------------- the search follows its own prediction
 def _uniform_best(prof, blocks, budget):
-    """The least predicted time of the three uniform mixes, each with its own full swap plan
-    (swap only; all selective where measured; all full), among those that fit."""
-    from chameleon_swap.planning.swaps import plan as plan_swaps
+    """The least predicted time of the three uniform mixes, each with its swap plan as the search
+    makes them (swap only; all selective where measured; all full), among those that fit."""
+    from functools import partial
+
+    from chameleon_swap.planning.modes import QUICK_EVALS
+    from chameleon_swap.planning.swaps import plan
+    plan_swaps = partial(plan, max_evals=QUICK_EVALS)
     mixes = [tuple("keep" for _ in blocks), full_recompute_modes(blocks)]
     if all(b.selective_known for b in blocks if b.eligible):
         mixes.append(tuple("selective" if b.eligible else "keep" for b in blocks))

@@ -8,8 +8,13 @@ the peak kept on the device against the budget, the step time against no engine,
 the operator sequence changed and what served those steps (a plan made for it, a plan found in the
 cache, or the guard), and whether every loss is bit-for-bit the one without the engine.
 
-Writes ``DIR/summary.json`` and ``DIR/demo.png``, and ``DIR/results.json``/``results.md`` with the
-full records.
+Then the choice users face (``choice.py``): a Hugging Face Llama trained four ways on the same
+batches, no engine, ``gradient_checkpointing_enable()``, swap only and the engine with ``model=``
+(keep, swap or recompute per block), at a quarter of its natural peak, on the CPU with an
+emulated link at an H100's ratio of bytes to compute.
+
+Writes ``DIR/summary.json``, ``DIR/demo.png`` and ``DIR/choice.png``, and
+``DIR/results.json``/``results.md`` with the full records.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from typing import Optional
 
 
 from ..config import format_bytes
+from . import choice as choice_leg
 from .env import environment, progress
 from .harness import SweepConfig, natural_peak, run_sweep
 from .report import SOURCES, markdown
@@ -29,12 +35,18 @@ WORKLOADS = ("llama-varlen", "moe")
 FRACTION = 0.30
 DEFAULT_STEPS = 60
 WARMUP = 2
+CHOICE_STEPS = 12
 
 
 def run_demo(out_dir: Path, *, steps: int = DEFAULT_STEPS, size: str = "small",
-             device: Optional[str] = None, quiet: bool = False) -> dict:
+             device: Optional[str] = None, quiet: bool = False,
+             choice_steps: int = CHOICE_STEPS) -> dict:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps <= WARMUP:
         raise ValueError(f"steps must be an int > {WARMUP} (the warm-up); got {steps!r}")
+    if isinstance(choice_steps, bool) or not isinstance(choice_steps, int) or choice_steps < 0 \
+            or 0 < choice_steps < 3:
+        raise ValueError(f"choice_steps must be 0 (skip the comparison with gradient "
+                         f"checkpointing) or an int >= 3; got {choice_steps!r}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = SweepConfig(workloads=list(WORKLOADS), baselines=["none", "chameleon"],
@@ -50,6 +62,15 @@ def run_demo(out_dir: Path, *, steps: int = DEFAULT_STEPS, size: str = "small",
     with progress(2 * steps * len(WORKLOADS), "demo") as advance:
         records = run_sweep(cfg, env, progress=advance, natural_peaks=naturals)
     summary = summarize(records, budget, naturals, env, cfg)
+    why = choice_leg.available() if choice_steps else "skipped (choice_steps=0)"
+    if why is None:
+        with progress(len(choice_leg.LEGS) * choice_steps,
+                      "keep / swap / recompute vs gradient checkpointing") as advance:
+            summary["choice"] = choice_leg.run_choice(dev, choice_steps, advance,
+                                                      tiny=size == "tiny")
+        choice_leg.plot_choice(summary["choice"], out_dir / "choice.png")
+    else:
+        summary["choice"] = {"skipped": why}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (out_dir / "results.json").write_text(json.dumps(records, indent=1) + "\n")
     (out_dir / "results.md").write_text(markdown(records))
@@ -164,6 +185,10 @@ def screen(summary: dict, figure: Optional[Path], out_dir: Path) -> str:
               f"overall step time with the engine: {summary['overhead_ratio']:.2f}x no engine "
               f"(timed steps)" if summary["overhead_ratio"] else "",
               f"wrote {out_dir / 'summary.json'}" + (f" and {figure}" if figure else "")]
+    choice = summary.get("choice") or {}
+    lines += ["", "keep, swap or recompute, against gradient checkpointing:"]
+    lines += (choice_leg.table(choice) if "legs" in choice
+              else [f"  {choice.get('skipped', 'not run')}"])
     return "\n".join(lines)
 
 

@@ -25,8 +25,8 @@ into the timeline of a mix of modes:
 ``plan_hybrid`` searches families of mixes (blocks converted in order of the shortest wait between
 their forward and their backward, since those are the ones the link cannot hide), runs the swap
 planner on each and keeps the least predicted time under the budget. The uniform mixes (swap only,
-all selective where measured, all full) are always planned in full beside the winner, so the
-result is never predicted slower than any of them where it fits. When no mix fits, the one with
+all selective where measured, all full) are always among the candidates, so the result is never
+predicted slower than any of them (as the search plans their swaps) where it fits. When no mix fits, the one with
 the smallest peak is chosen (the policy then warns), never the one that keeps everything.
 """
 from __future__ import annotations
@@ -173,15 +173,13 @@ def plan_hybrid(profile: Profile, blocks: Sequence[Block], budget: Optional[int]
                                                  simulate(profile, Plan(frozenset()), budget)))
     search = _ModeSearch(profile, blocks, budget)
     best = search.run()
-    # The search compared quick swap plans; the winner and the three uniform mixes (swap only,
-    # all selective where measured, all full) are planned in full, and the least of them is the
-    # plan: its prediction is never above any of the three where they fit.
-    finals = {m: plan_swaps(search.view(m), budget, max_evals=max_evals)
-              for m in dict.fromkeys((best, *search.uniform()))}
-    finals[best] = min(finals[best], search.plans[best],
-                       key=lambda pl: search.key(pl.predicted, best))
-    best = min(finals, key=lambda m: (search.key(finals[m].predicted, m), m))
-    return _made(search.view(best), blocks, best, finals[best], profile)
+    # The search compared quick swap plans, the three uniform mixes (swap only, all selective
+    # where measured, all full) always among them, so the winner's is never above theirs where
+    # they fit. The winner is then planned in full, kept only if that is better still.
+    final = plan_swaps(search.view(best), budget, max_evals=max_evals)
+    quick = search.plans[best]
+    swap = final if search.key(final.predicted, best) <= search.key(quick.predicted, best) else quick
+    return _made(search.view(best), blocks, best, swap, profile)
 
 
 def _made(view: Profile, blocks, modes, swap: Plan, keep_view: Optional[Profile] = None):

@@ -69,6 +69,7 @@ class BlockModes:
         self.margin: dict[int, int] = {}                # per key: bytes the model missed (kept
                                                         # off the budget it plans for)
         self.warned_budgets: set = set()
+        self.stale: set = set()                         # keys to plan again (the link changed)
         self.begin_step(None)
 
     # ------------------------------------------------------------------ during the step
@@ -134,7 +135,7 @@ class BlockModes:
         the caller)."""
         self.compute_scale[key] = self.compute_scale.get(key, 1.0) * compute_factor
         if self.budget is not None and missed_bytes > 0:
-            self.margin[key] = min(self.budget // 2, self.margin.get(key, 0) + missed_bytes)
+            self.margin[key] = min(self.budget // 4, self.margin.get(key, 0) + missed_bytes)
         self._make(key)
         if key in self.plans:
             self.plans[key].replanned = True
@@ -189,7 +190,10 @@ class BlockModes:
         if self.probing is not None:
             self._learn_selective(calls)
         plan = self.plans.get(self.key)
-        if (plan is None or (not plan.measured and self.key in self.views)
+        if self.key in self.stale:
+            self.stale.discard(self.key)
+            self.replan(self.key, 1.0)
+        elif (plan is None or (not plan.measured and self.key in self.views)
                 or _moved(plan.budget, self.budget)):
             self._make(self.key)
 
@@ -238,7 +242,7 @@ class BlockModes:
         self.plans[key] = ModePlan(modes, dict(zip(view.block_ids, hp.working_set)),
                                    view.input_bytes, self.budget, measured, hp, key=key)
         pred = hp.predicted
-        fits = pred.budget_ok and not pred.forced_offloads and not pred.overflow_bytes
+        fits = pred.peak_bytes <= self.budget and not pred.forced_offloads
         if not fits and self.budget not in self.warned_budgets:
             self.warned_budgets.add(self.budget)
             k, sel, full = hp.counts()
@@ -246,7 +250,7 @@ class BlockModes:
                 f"chameleon-swap: no mix of kept, swapped and recomputed blocks fits the budget "
                 f"of {format_bytes(self.budget)} for this step size without copies forced in "
                 f"line; the smallest mix found (keep {k}, selective {sel}, full {full}, with "
-                f"swapping) peaks at {format_bytes(max(pred.peak_bytes, pred.overflow_bytes))}"
+                f"swapping) peaks at {format_bytes(pred.peak_bytes)}"
                 f" and forces {pred.forced_offloads} copies. It runs that mix, and the guard "
                 f"holds the budget by waiting for copies; raise the budget above that peak for "
                 f"full speed", RuntimeWarning, stacklevel=2)

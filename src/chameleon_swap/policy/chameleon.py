@@ -27,6 +27,7 @@ from typing import Optional
 from ..runtime.executor import HOST, OFFLOADING, RESIDENT, Executor, Record
 from .guard import GuardPolicy
 from .block_modes import BlockModes
+from . import checks
 from .checks import PlanChecks, compute_factor, stall_fn
 from ..planning.cache import DEFAULT_PLAN_CACHE_SIZE, PlanCache, PlanEntry, compile_plan
 
@@ -321,13 +322,19 @@ class ChameleonPolicy:
         link = profile.extra.get("link", {})
         if mode_plan is not None:
             hp, scale = mode_plan.hybrid, self.modes.input_bytes / max(1, mode_plan.input_bytes)
-            self.checks.correct_link(self.link(), link, stall_fn(hp.profile, hp.swap,
-                                                                  self.ex.budget, scale), stall)
+            before = self.link()
+            after = self.checks.correct_link(before, link, stall_fn(hp.profile, hp.swap,
+                                                                     self.ex.budget, scale), stall)
             pred = hp.predicted
             f = compute_factor(measured, stall, pred.total_seconds * scale,
                                pred.stall_seconds * scale)
             missed = self.ex.stats.offloaded_bytes - int(pred.moved_bytes * scale)
-            self.modes.replan(self.modes.key, f, missed if stall > pred.stall_seconds else 0)
+            key = self.modes.key
+            self.modes.replan(key, f, missed if stall > pred.stall_seconds else 0)
+            if any(abs(a / b - 1) > checks.MISS for a, b in zip(after, before)):
+                # The link is every size's: the other sizes' plans were made for the old one;
+                # each is made again at the end of its size's next step (one plan per step).
+                self.modes.stale.update(k for k in self.modes.plans if k != key)
         elif profile.signature == applied.signature and profile.n_forward > 0:
             from ..planning.swaps import plan as make_plan
             tl = profile.to_timeline(*self.link())

@@ -11,9 +11,10 @@ recomputing as surely.
 What is corrected:
 
 * the link: each direction's effective bandwidth, where the copy engine times its copies (the
-  CPU's threads do: bytes over the seconds they spent copying); where it does not (CUDA), one
-  factor on both directions, fitted so that the timeline model predicts the stall the step
-  measured (bisection: the stall grows as the link slows);
+  CPU's threads do: bytes over the seconds they spent copying); then, where the step still
+  stalled more than the model predicts at that speed (or the copies are not timed, as on CUDA),
+  one factor on both directions, fitted so that the timeline model predicts the stall the step
+  measured (bisection: the stall grows as the link slows): the link as the steps saw it;
 * the compute: with ``model=``, the key's keep view is scaled by measured over predicted compute
   (the step without its waits), which catches what the keep view missed (the engine's own work
   per saved tensor, a size planned from another size's view).
@@ -70,8 +71,12 @@ class PlanChecks:
             if nbytes > 0 and seconds > MIN_LINK_SECONDS:
                 out[i] = nbytes / seconds
                 timed = True
-        if not timed and stall_at is not None and measured_stall > stall_at(1.0):
-            f = fit_factor(stall_at, measured_stall)
+        # What the step lost to copies can exceed what the model predicts at the copies' own
+        # speed (copies issued later than modelled, waits the model does not have): the link is
+        # then what the steps saw, one factor fitted so the model's stall meets the measured one.
+        hi = min(out[0] / assumed[0], out[1] / assumed[1], 1.0) if timed else 1.0
+        if stall_at is not None and measured_stall > stall_at(hi):
+            f = fit_factor(stall_at, measured_stall, hi=hi)
             out = [assumed[0] * f, assumed[1] * f]
         self.link = (float(out[0]), float(out[1]))
         return self.link

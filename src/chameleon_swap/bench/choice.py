@@ -1,0 +1,243 @@
+"""The demo's comparison leg: keep, swap or recompute, against gradient checkpointing.
+
+The question a user deciding whether to adopt the library asks: is it better than
+``model.gradient_checkpointing_enable()`` at the memory I have? A Hugging Face Llama built from a
+small config trains on a schedule of sequence lengths, four ways side by side on the same
+batches from the same weights (the order rotates every step, so drift affects each alike):
+
+* ``none``: the plain step;
+* ``gradient checkpointing``: ``gradient_checkpointing_enable()`` (non-reentrant), every layer
+  recomputed: what users do today;
+* ``swap only``: ``Chameleon(budget)``: saved activations swapped to the host, nothing recomputed;
+* ``chameleon model=``: ``Chameleon(budget, model=model)``: per block, keep, swap or recompute.
+
+The budget is a quarter of the natural saved-activation peak at the longest length. On the CPU
+the engines' copies run on an emulated link (``emulate_link=``) set to an H100's ratio of bytes
+to compute: there a 16k-token Llama 4096x8 step saves 30.4 GiB in a 0.172 s forward while the
+pinned link moves 54 GB/s (measured by the project on one H100), so the link carries about
+``H100_LINK_SHARE`` of what the forward saves per second. Without it a CPU copy is a memcpy the
+step hides, and swapping would look free. On CUDA the link is the real one.
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from typing import Callable, Optional
+
+import torch
+
+from ..config import format_bytes
+
+LEGS = ("none", "gradient checkpointing", "swap only", "chameleon model=")
+FRACTION = 0.25
+# 54 GB/s against 30.4 GiB saved in 0.172 s of forward (an H100, HF Llama 4096x8 at 16k tokens).
+H100_LINK_SHARE = 54e9 / (30.4 * 2**30 / 0.172)
+SIZES = {
+    "tiny": dict(hidden=64, layers=4, heads=4, kv_heads=2, ffn=128, vocab=256, batch=2,
+                 lengths=(32, 48, 64)),
+    "cpu": dict(hidden=128, layers=8, heads=4, kv_heads=2, ffn=344, vocab=2048, batch=2,
+                lengths=(96, 128, 160, 128, 96, 160)),
+    "cuda": dict(hidden=2048, layers=16, heads=16, kv_heads=16, ffn=5504, vocab=32000, batch=1,
+                 lengths=(4096, 8192, 6144, 8192, 4096, 6144)),
+}
+
+
+def available() -> Optional[str]:
+    """None when the leg can run, else why not (transformers is in the ``bench`` extra)."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return "needs transformers: pip install 'chameleon-swap[bench]'"
+    return None
+
+
+def _model(size: dict, device: torch.device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(hidden_size=size["hidden"], num_hidden_layers=size["layers"],
+                      num_attention_heads=size["heads"], num_key_value_heads=size["kv_heads"],
+                      intermediate_size=size["ffn"], vocab_size=size["vocab"],
+                      max_position_embeddings=max(size["lengths"]), attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).to(device).train()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_choice(device: torch.device, steps: int,
+               advance: Callable[..., None] = lambda *a, **k: None, tiny: bool = False) -> dict:
+    """Run the four legs for ``steps`` steps each; returns the summary the demo shows
+    (``tiny``: the tests' model, seconds on a CPU)."""
+    import chameleon_swap as cs
+    size = SIZES["tiny" if tiny else "cuda" if device.type == "cuda" else "cpu"]
+    base = _model(size, device)
+    lengths = [size["lengths"][i % len(size["lengths"])] for i in range(steps)]
+    gen = torch.Generator().manual_seed(1)
+    batches = {T: torch.randint(0, size["vocab"], (size["batch"], T + 1), generator=gen).to(device)
+               for T in sorted(set(lengths))}
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                else torch.autocast("cpu", enabled=False))
+
+    def loss_of(model, T):
+        ids = batches[T]
+        with autocast:
+            return model(input_ids=ids[:, :-1], labels=ids[:, 1:], use_cache=False).loss
+
+    def saved_peak(model, T) -> int:
+        with cs.Chameleon(None, device=device, min_tensor_bytes=0) as probe:
+            with probe.step():
+                loss_of(model, T).backward()
+            model.zero_grad(set_to_none=True)
+            return probe.last_step.peak_resident_bytes
+
+    longest = max(lengths)
+    natural = saved_peak(base, longest)
+    budget = int(natural * FRACTION)
+    link = None
+    if device.type == "cpu":
+        forward = float("inf")
+        with torch.no_grad():
+            for _ in range(3):                # the least of three: the first call warms up
+                t0 = time.perf_counter()
+                loss_of(base, longest)
+                forward = min(forward, time.perf_counter() - t0)
+        link = H100_LINK_SHARE * natural / max(forward, 1e-6)
+
+    models = {leg: copy.deepcopy(base) for leg in LEGS}
+    models["gradient checkpointing"].gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": False})
+    emulated = {} if link is None else {"emulate_link": link}
+    engines = {"swap only": cs.Chameleon(budget, device=device, **emulated),
+               "chameleon model=": cs.Chameleon(budget, device=device,
+                                                model=models["chameleon model="], **emulated)}
+    opts = {leg: torch.optim.SGD(m.parameters(), lr=1e-3) for leg, m in models.items()}
+    per_step = []
+    losses_identical = True
+    try:
+        for i, T in enumerate(lengths):
+            order = LEGS[i % len(LEGS):] + LEGS[:i % len(LEGS)]
+            row = {"step": i, "length": T}
+            losses = {}
+            for leg in order:
+                m, eng = models[leg], engines.get(leg)
+                _sync(device)
+                t0 = time.perf_counter()
+                if eng is None:
+                    loss = loss_of(m, T)
+                    loss.backward()
+                else:
+                    with eng.step():
+                        loss = loss_of(m, T)
+                        loss.backward()
+                _sync(device)
+                row[leg] = {"seconds": time.perf_counter() - t0}
+                if eng is not None:
+                    s = eng.last_step
+                    row[leg].update(peak=s.peak_resident_bytes, block_modes=list(s.block_modes),
+                                    plan_source=s.plan_source, stall=s.stall_seconds,
+                                    moved=s.offloaded_bytes)
+                opts[leg].step()
+                opts[leg].zero_grad(set_to_none=True)
+                losses[leg] = loss.detach()
+                advance()
+            losses_identical &= all(torch.equal(losses["none"], v) for v in losses.values())
+            per_step.append(row)
+    finally:
+        for eng in engines.values():
+            eng.close()
+    peaks = {"none": {T: saved_peak(base, T) for T in batches},
+             "gradient checkpointing": {T: saved_peak(models["gradient checkpointing"], T)
+                                        for T in batches}}
+    return summarize(per_step, peaks, budget, natural, link, losses_identical, size, device)
+
+
+def summarize(per_step: list, peaks: dict, budget: int, natural: int, link: Optional[float],
+              losses_identical: bool, size: dict, device: torch.device) -> dict:
+    timed = per_step[1:] if len(per_step) > 2 else per_step      # the first step sets up
+    legs = {}
+    for leg in LEGS:
+        secs = [r[leg]["seconds"] for r in timed]
+        none = [r["none"]["seconds"] for r in timed]
+        if leg in peaks:
+            peak = max(peaks[leg][r["length"]] for r in per_step)
+        else:
+            peak = max(r[leg]["peak"] for r in per_step)
+        legs[leg] = {"median_step_s": statistics.median(secs),
+                     "ratio_vs_none": sum(secs) / sum(none),
+                     "peak_saved_bytes": peak, "fits_budget": peak <= budget}
+        if leg == "chameleon model=":
+            legs[leg]["block_modes"] = [r[leg]["block_modes"] for r in per_step]
+    gc, ours = legs["gradient checkpointing"], legs["chameleon model="]
+    faster = gc["ratio_vs_none"] / ours["ratio_vs_none"]
+    verdict = (f"chameleon model= is {faster:.2f}x as fast as gradient checkpointing"
+               if faster >= 1 else f"gradient checkpointing is {1 / faster:.2f}x as fast as "
+               f"chameleon model=") + (f", within a budget of {format_bytes(budget)} "
+                                       f"({FRACTION:.0%} of the natural peak)")
+    return {"model": f"HF Llama hidden {size['hidden']} x {size['layers']} layers, batch "
+                     f"{size['batch']}, lengths {sorted(set(size['lengths']))}",
+            "device": str(device), "budget_bytes": budget, "natural_peak_bytes": natural,
+            "budget_fraction": FRACTION, "emulated_link_bytes_per_s": link,
+            "losses_identical": bool(losses_identical), "legs": legs, "steps": per_step,
+            "verdict": verdict, "winner": max(LEGS[1:], key=lambda k: (
+                legs[k]["fits_budget"], -legs[k]["ratio_vs_none"]))}
+
+
+def table(choice: dict) -> list[str]:
+    """The comparison as text lines: one row per leg, then the verdict."""
+    link = choice["emulated_link_bytes_per_s"]
+    head = (f"{choice['model']}; budget {format_bytes(choice['budget_bytes'])} "
+            f"({choice['budget_fraction']:.0%} of {format_bytes(choice['natural_peak_bytes'])}); "
+            + (f"emulated link {link / 1e6:.0f} MB/s (an H100's bytes-to-compute ratio)"
+               if link else "the device's own link"))
+    lines = [head, f"  {'':24}{'step vs none':>14}{'saved peak':>14}  fits budget"]
+    for leg, r in choice["legs"].items():
+        lines.append(f"  {leg:24}{r['ratio_vs_none']:>13.2f}x{format_bytes(r['peak_saved_bytes']):>14}"
+                     f"  {'yes' if r['fits_budget'] else 'no'}")
+    modes = choice["legs"]["chameleon model="]["block_modes"]
+    lines.append(f"  block modes (keep, selective, full) per step: "
+                 + " ".join(str(tuple(m)) for m in modes))
+    lines.append(f"  losses identical across the four: "
+                 f"{'yes' if choice['losses_identical'] else 'NO'}")
+    lines.append(choice["verdict"])
+    return lines
+
+
+def plot_choice(choice: dict, path) -> Optional[object]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    legs = list(choice["legs"])
+    colors = ["#888888", "#c66", "#47a", "#2a6"]
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(13, 3.6),
+                                     gridspec_kw={"width_ratios": [1, 1, 1.4]})
+    a1.bar(range(4), [choice["legs"][k]["ratio_vs_none"] for k in legs], color=colors)
+    a1.axhline(1.0, color="k", lw=0.8)
+    a1.set_ylabel("step time / none")
+    a2.bar(range(4), [choice["legs"][k]["peak_saved_bytes"] / 2**20 for k in legs], color=colors)
+    a2.axhline(choice["budget_bytes"] / 2**20, color="#d62728", ls="--", label="budget")
+    a2.set_ylabel("saved-activation peak (MiB)")
+    a2.legend(fontsize=7)
+    for ax in (a1, a2):
+        ax.set_xticks(range(4))
+        ax.set_xticklabels([k.replace(" ", "\n", 1) for k in legs], fontsize=7)
+    modes = choice["legs"]["chameleon model="]["block_modes"]
+    x = range(len(modes))
+    bottom = [0] * len(modes)
+    for j, (name, col) in enumerate((("keep", "#2a6"), ("selective", "#e9a"), ("full", "#c66"))):
+        vals = [m[j] for m in modes]
+        a3.bar(x, vals, bottom=bottom, color=col, label=name)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    a3.set_xlabel("step")
+    a3.set_ylabel("blocks (chameleon model=)")
+    a3.legend(fontsize=7)
+    fig.suptitle(choice["verdict"], fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
