@@ -55,6 +55,7 @@ class _Worker(threading.Thread):
         self.jobs: "queue.Queue" = queue.Queue()
         self.delay_s = delay_s
         self.bytes_per_s = bytes_per_s
+        self.free_at = 0.0            # the emulated link's clock: when its last copy ends
         self.lock = threading.Lock()
         self.busy = [0, 0.0]          # bytes copied and seconds spent copying, since last taken
 
@@ -79,14 +80,20 @@ class _Worker(threading.Thread):
             try:
                 t0 = time.perf_counter()
                 copy_bytes(dst, src)
+                took = time.perf_counter() - t0
                 if self.bytes_per_s:
-                    # The emulated link: the copy lasts as long as its bytes take at that speed.
-                    rest = src.numel() / self.bytes_per_s - (time.perf_counter() - t0)
+                    # The emulated link: the copy ends when its bytes would have crossed a link
+                    # of that speed, on a link clock that runs on from the previous copy's end
+                    # (a sleep that overshoots is not carried into the next copy's time).
+                    start = max(t0, self.free_at)
+                    self.free_at = start + max(took, src.numel() / self.bytes_per_s)
+                    took = self.free_at - start
+                    rest = self.free_at - time.perf_counter()
                     if rest > 0:
                         time.sleep(rest)
                 with self.lock:
                     self.busy[0] += src.numel()
-                    self.busy[1] += time.perf_counter() - t0
+                    self.busy[1] += took
                 error = None
             except Exception as e:  # surfaced to the thread that waits on the ticket
                 error = f"{self.name}: {type(e).__name__}: {e}"
