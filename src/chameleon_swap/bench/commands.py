@@ -22,7 +22,7 @@ BENCH_HELP = "sweep workloads x baselines x budgets; write results.json, results
 # The registries' names, here without importing torch (tests check they match the registries).
 WORKLOAD_NAMES = ("llama-varlen", "moe", "layerdrop", "video-dit", "mixed")
 BASELINE_NAMES = ("none", "full-recompute", "selective-recompute", "save-on-cpu", "swap-all",
-                  "static", "guard", "chameleon")
+                  "static", "guard", "chameleon", "hybrid")
 
 # What --quick sweeps where the command line does not say otherwise, and the full defaults.
 QUICK = dict(workload=["llama-varlen"], baseline=["none", "full-recompute", "chameleon"],
@@ -55,7 +55,8 @@ def configure_bench(p: argparse.ArgumentParser) -> None:
                    help=f"workloads: {', '.join(WORKLOAD_NAMES)}, hf:<model_type> (default: all "
                         "built-in ones; --quick: llama-varlen)")
     p.add_argument("--baseline", nargs="+", default=None, metavar="B",
-                   help=f"baselines: {', '.join(BASELINE_NAMES)} (default: all; --quick: "
+                   help=f"baselines: {', '.join(BASELINE_NAMES)} (hybrid: the engine given the model, so it "
+                        "may recompute blocks) (default: all; --quick: "
                         f"{' '.join(QUICK['baseline'])})")
     p.add_argument("--budget", nargs="+", default=None, metavar="X",
                    help="activation budgets: a share of each workload's natural activation peak "

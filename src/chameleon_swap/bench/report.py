@@ -41,6 +41,7 @@ def markdown(records: list[dict]) -> str:
                   f"natural activation peak {_mib(first['natural_peak_bytes'])}; "
                   f"{first['steps']} timed steps after {first['warmup']} warm-up; "
                   f"peak = {first['peak_source'] or 'not measured'}.", "",
+                  *reference_note(first),
                   "| budget | baseline | step ms (median) | IQR ms | x none | tokens/s | peak | "
                   "memory the budget implies | fits | activations held to budget | moved out | "
                   "stall ms | sync fetches | seq. changes (served by) | OOM | losses identical |",
@@ -60,9 +61,31 @@ def markdown(records: list[dict]) -> str:
                 _mib(r["moved_bytes"]), _ms(r["stall_seconds"]),
                 "-" if r["sync_fetches"] is None else str(r["sync_fetches"]), changes,
                 "**OOM**" if r["oom"] else ("error" if r["error"] else "no"),
-                _yes(r["losses_identical"])]) + " |")
+                exactness(r)]) + " |")
         lines.append("")
     return "\n".join(lines)
+
+
+def reference_note(record: dict) -> list[str]:
+    """The line that says the plain step differs from itself, when it does (else nothing)."""
+    if record.get("reference_reproducible") is not False:
+        return []
+    return [f"reference not bitwise reproducible (max diff {record['reference_max_diff']:.3g}): "
+            f"two runs of the plain step differ, so the last column says whether each "
+            f"baseline's losses stay within that difference of the plain step's.", ""]
+
+
+def exactness(record: dict) -> str:
+    """The "losses identical" cell: yes/no bit for bit where the reference is reproducible;
+    where it is not, whether the run stays within the reference's own difference."""
+    if record.get("reference_reproducible") is not False or record["losses_identical"]:
+        return _yes(record["losses_identical"])
+    within, diff = record.get("losses_within_reference"), record.get("losses_max_diff")
+    if within is None:
+        return "-"
+    shown = "nan" if diff is None else f"{diff:.3g}"
+    return (f"within reference (max diff {shown})" if within
+            else f"**no**: max diff {shown} > reference's")
 
 
 def _order(name: str) -> int:
