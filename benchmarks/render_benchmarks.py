@@ -102,7 +102,8 @@ def llama_block(results: Path) -> str:
                 "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for pct, by_mode in d["results"].items():
             m = _modes(by_mode, pct)
-            cell = lambda k: f"{x(m[k]['ratio_vs_none'])} ({gib(m[k]['peak_device_bytes'])})"  # noqa: E731
+            def cell(k: str, m=m) -> str:
+                return f"{x(m[k]['ratio_vs_none'])} ({gib(m[k]['peak_device_bytes'])})"
             h = m["hybrid"]
             out.append(f"| {pct} ({gib(h['budget_bytes'])}) | "
                        f"{m['none']['median_step_s']:.3f} s ({gib(m['none']['peak_device_bytes'])})"

@@ -12,6 +12,7 @@ import chameleon_swap as cs
 from chameleon_swap.bench import baselines as B
 from chameleon_swap.bench import commands
 from chameleon_swap.bench.harness import SweepConfig, run_sweep, steps_per_workload
+from chameleon_swap.bench.report import markdown
 from chameleon_swap.workloads import get_workload
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")   # see conftest.py
@@ -78,7 +79,18 @@ def test_hybrid_records_carry_the_block_modes_of_every_step(hybrid_sweep):
                 get_workload(r["workload"], "tiny").build(torch.device("meta")))[0])
             for m in modes:
                 assert isinstance(m, list) and len(m) == 3 and sum(m) == n
+            # The record counts the steps that ran each mix, and the table shows it.
+            counts = r["block_modes"]
+            assert sum(counts.values()) == sum(1 for m in modes if m)
+            for mix, steps in counts.items():
+                assert steps == sum(1 for m in modes if ",".join(map(str, m)) == mix)
         elif r["baseline"] == "chameleon":
             assert all(m == [] for m in modes)       # swap only: no blocks
+            assert r["block_modes"] is None
         else:
-            assert all(m is None for m in modes)
+            assert all(m is None for m in modes) and r["block_modes"] is None
+    md = markdown(recs)
+    row = next(line for line in md.splitlines() if "| hybrid |" in line)
+    mix, steps = next(iter(next(r for r in recs if r["baseline"] == "hybrid")
+                           ["block_modes"].items()))
+    assert f"| {mix}: {steps}" in row

@@ -49,6 +49,13 @@ def _nan_max(xs) -> float:
     return math.nan if any(math.isnan(x) for x in xs) else max(xs)
 
 
+def _count_modes(stats: list) -> Optional[dict]:
+    modes = [tuple(s["block_modes"]) for s in stats if s.get("block_modes")]
+    if not modes:
+        return None
+    return {",".join(map(str, m)): modes.count(m) for m in dict.fromkeys(modes)}
+
+
 def reference_check(none, repeat) -> tuple[Optional[bool], Optional[float]]:
     """(bitwise reproducible?, largest difference) of the reference's two timed runs; (None, None)
     when either is missing or incomplete."""
@@ -168,6 +175,9 @@ def _record(cfg, workload, run, budget, budget_bytes, natural, schedule, timed, 
         "changes_served_by": ({src: sum(s["plan_source"] == src for s in changed)
                                for src in sorted({s["plan_source"] for s in changed})}
                               if engine else None),
+        # Block modes (keep, selective, full) the steps ran, and how many steps ran each:
+        # {"8,0,0": 5, "5,3,0": 1}; None where the engine runs no blocks (swap only, peers).
+        "block_modes": _count_modes(stats) if engine else None,
         "plan_sources": ({src: sum(s["plan_source"] == src for s in stats)
                           for src in sorted({s["plan_source"] for s in stats})}
                          if engine else None),

@@ -16,7 +16,7 @@ from typing import Optional
 
 from ..config import format_bytes
 
-SOURCES = {"guard": "#d62728", "planned": "#2ca02c", "cache": "#1f77b4"}
+SOURCES = {"guard": "#d62728", "planned": "#2ca02c", "cache": "#1f77b4", "replanned": "#ff7f0e"}
 
 
 def _mib(n: Optional[int]) -> str:
@@ -44,8 +44,9 @@ def markdown(records: list[dict]) -> str:
                   *reference_note(first),
                   "| budget | baseline | step ms (median) | IQR ms | x none | tokens/s | peak | "
                   "memory the budget implies | fits | activations held to budget | moved out | "
-                  "stall ms | sync fetches | seq. changes (served by) | OOM | losses identical |",
-                  "|" + " --- |" * 16]
+                  "stall ms | sync fetches | seq. changes (served by) | block modes (keep,sel,full:"
+                  " steps) | OOM | losses identical |",
+                  "|" + " --- |" * 17]
         for r in sorted(rows, key=lambda r: (r["budget_bytes"], _order(r["baseline"]))):
             served = r["changes_served_by"]
             changes = "-" if r["sequence_changes"] is None else (
@@ -60,10 +61,15 @@ def markdown(records: list[dict]) -> str:
                 _yes(r["budget_held"]) if r["budget_applies"] else "n/a",
                 _mib(r["moved_bytes"]), _ms(r["stall_seconds"]),
                 "-" if r["sync_fetches"] is None else str(r["sync_fetches"]), changes,
+                _modes(r.get("block_modes")),
                 "**OOM**" if r["oom"] else ("error" if r["error"] else "no"),
                 exactness(r)]) + " |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _modes(counts: Optional[dict]) -> str:
+    return "-" if not counts else ", ".join(f"{m}: {n}" for m, n in counts.items())
 
 
 def reference_note(record: dict) -> list[str]:
