@@ -192,7 +192,9 @@ def test_engine_runs_hold_their_budget_and_move_bytes(sweep):
         if r["budget_applies"]:
             assert r["budget_held"] is True
             assert r["activation_peak_bytes"] <= r["budget_bytes"] < r["natural_peak_bytes"]
-            assert r["moved_bytes"] > 0
+            # Swapped, or (hybrid) recomputed instead.
+            assert r["moved_bytes"] > 0 or any(s.get("recomputed_bytes")
+                                               for s in r["per_step"])
             assert sum(r["plan_sources"].values()) == len(r["per_step"]) - 1 + 1
         else:
             assert r["activation_peak_bytes"] is None and r["sequence_changes"] is None

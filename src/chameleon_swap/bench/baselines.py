@@ -13,8 +13,13 @@ arithmetic: every baseline's losses are compared bit for bit with ``none``.
 ``swap-all``        every activation out asynchronously after its save, back at unpack: torchtune's
                     ``OffloadActivations`` where it runs (CUDA, torchtune installed), else our
                     equivalent (``bench/swap_all.py``), labelled ``swap-all (ours)``
-``static``, ``guard``, ``chameleon``  the engine under that policy, at the budget
+``static``, ``guard``, ``chameleon``  the engine under that policy, at the budget (swap only)
+``hybrid``          the engine's default policy given the workload's model and its blocks
+                    (``Chameleon(budget, model=..., blocks=...)``): each block kept, selectively
+                    or fully recomputed, together with the swaps, at the budget
 ==================  =============================================================================
+
+The engine's baselines (``ENGINE_BASELINES``) are the ones that take a budget.
 """
 from __future__ import annotations
 
@@ -30,8 +35,14 @@ from ..workloads.base import Workload
 from .swap_all import SwapAll
 
 ENGINE_POLICIES = ("static", "guard", "chameleon")
+HYBRID = "hybrid"
+ENGINE_BASELINES = ENGINE_POLICIES + (HYBRID,)     # the baselines that run at a budget
 PEERS = ("none", "full-recompute", "selective-recompute", "save-on-cpu", "swap-all")
-BASELINES = PEERS + ENGINE_POLICIES
+BASELINES = PEERS + ENGINE_BASELINES
+# StepStats fields an engine baseline reports per step where the engine has them (some are newer
+# than others; a missing one is left out, never invented).
+_OPTIONAL_STATS = ("block_modes", "recomputed_bytes", "recompute_seconds",
+                   "predicted_stall_seconds", "predicted_step_seconds")
 
 
 class Checkpointed(nn.Module):
@@ -159,15 +170,48 @@ class EngineBaseline(Baseline):
 
     def stats(self) -> dict:
         s = self.engine.last_step
-        return {"activation_peak_bytes": s.peak_resident_bytes, "saved_bytes": s.saved_bytes,
-                "moved_bytes": s.offloaded_bytes,
-                "fetched_bytes": s.prefetched_bytes + s.fetched_bytes,
-                "stall_seconds": s.stall_seconds, "sync_fetches": s.sync_fetches,
-                "sequence_changed": s.sequence_changed, "plan_source": s.plan_source,
-                "profiler_seconds": s.profiler_seconds}
+        out = {"activation_peak_bytes": s.peak_resident_bytes, "saved_bytes": s.saved_bytes,
+               "moved_bytes": s.offloaded_bytes,
+               "fetched_bytes": s.prefetched_bytes + s.fetched_bytes,
+               "stall_seconds": s.stall_seconds, "sync_fetches": s.sync_fetches,
+               "sequence_changed": s.sequence_changed, "plan_source": s.plan_source,
+               "profiler_seconds": s.profiler_seconds}
+        for k in _OPTIONAL_STATS:
+            if hasattr(s, k):
+                v = getattr(s, k)
+                out[k] = list(v) if isinstance(v, tuple) else v
+        return out
 
     def close(self) -> None:
-        self.engine.close()
+        if self.engine is not None:
+            self.engine.close()
+
+
+class HybridBaseline(EngineBaseline):
+    """The engine with ``model=``: its default policy keeps, swaps or recomputes each of the
+    workload's blocks (``workload.block_lists``), whichever its plan predicts fastest under the
+    budget. The engine needs the model, so it is made in ``prepare``: a fresh one for each freshly
+    built model (the timed and the metered pass each build their own), the previous one closed."""
+
+    def __init__(self, device: torch.device, budget: Optional[int], **engine_kwargs) -> None:
+        Baseline.__init__(self, device, budget)
+        self.name = self.label = HYBRID
+        self.engine = None
+        self._engine_kwargs = engine_kwargs
+
+    def prepare(self, model: nn.Module, workload: Workload) -> nn.Module:
+        blocks = [b for blocks in workload.block_lists(model) for b in blocks]
+        if self.engine is not None:
+            self.engine.close()
+        self.engine = Chameleon(self.budget, device=self.device, policy="chameleon", model=model,
+                                blocks=blocks or None, **self._engine_kwargs)
+        return model
+
+    def step(self):
+        if self.engine is None:
+            raise RuntimeError("the hybrid baseline makes its engine from the model: call "
+                               "prepare(model, workload) before step()")
+        return self.engine.step()
 
 
 _PEER_CLASSES = {"none": Baseline, "full-recompute": Recompute,
@@ -189,6 +233,8 @@ def check_baselines(names) -> list[str]:
 def make_baseline(name: str, device: torch.device, budget: Optional[int],
                   **engine_kwargs) -> Baseline:
     check_baselines([name])
+    if name == HYBRID:
+        return HybridBaseline(device, budget, **engine_kwargs)
     if name in ENGINE_POLICIES:
         return EngineBaseline(device, budget, name, **engine_kwargs)
     return _PEER_CLASSES[name](device, budget)

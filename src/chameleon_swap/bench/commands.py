@@ -2,13 +2,15 @@
 ``sweep.py``. Nothing here imports torch at module level, so ``--help`` answers at once.
 
 ``bench --quick`` is the sweep cut to fit a GPU lent for ten minutes: one workload (llama-varlen),
-three runs (the plain step, full recomputation, the engine at 30%), one warm-up and four timed
-steps. Estimated for one H100 with ``--size gpu``, from steps measured there (plain 0.4 s,
-recomputed 1.2x, the engine at 30% 2.5x, but 8-15 s for the engine's first step of each new
-length, up to four): the natural-peak probe and the two peers about 10 s, the engine up to 65 s,
-four model builds (0.8B parameters drawn on the host) about 40 s: about 2 minutes, not measured.
-The full default sweep (5 workloads x 11 runs x 14 steps) takes well over an hour at that size:
-one workload with one budget and 6 steps had done 30 of its 56 step runs after 220 s.
+three runs (the plain step, full recomputation, the engine at 30%) and the plain step's second
+run (is it bitwise reproducible?), one warm-up and four timed steps. Estimated for one H100 with
+``--size gpu``, from steps measured there (plain 0.4 s, recomputed 1.2x, the engine at 30% 2.5x,
+but 8-15 s for the engine's first step of each new length, up to four): the natural-peak probe
+and the peers about 12 s, the engine up to 65 s, five model builds (0.8B parameters drawn on the
+host) about 50 s: about 2 minutes, not measured.
+The full default sweep (5 workloads x 14 runs x 14 steps: 5 peers, 4 engine baselines at 2
+budgets, and the plain step's second run) takes well over an hour at that size: with 11 runs, one
+workload with one budget and 6 steps had done 30 of its 56 step runs after 220 s.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ BENCH_HELP = "sweep workloads x baselines x budgets; write results.json, results
 # The registries' names, here without importing torch (tests check they match the registries).
 WORKLOAD_NAMES = ("llama-varlen", "moe", "layerdrop", "video-dit", "mixed")
 BASELINE_NAMES = ("none", "full-recompute", "selective-recompute", "save-on-cpu", "swap-all",
-                  "static", "guard", "chameleon")
+                  "static", "guard", "chameleon", "hybrid")
 
 # What --quick sweeps where the command line does not say otherwise, and the full defaults.
 QUICK = dict(workload=["llama-varlen"], baseline=["none", "full-recompute", "chameleon"],
@@ -64,7 +66,8 @@ def configure_bench(p: argparse.ArgumentParser) -> None:
                    help=f"workloads: {', '.join(WORKLOAD_NAMES)}, hf:<model_type> (default: all "
                         "built-in ones; --quick: llama-varlen)")
     p.add_argument("--baseline", nargs="+", default=None, metavar="B",
-                   help=f"baselines: {', '.join(BASELINE_NAMES)} (default: all; --quick: "
+                   help=f"baselines: {', '.join(BASELINE_NAMES)} (hybrid: the engine given the "
+                        "model, so it may recompute blocks) (default: all; --quick: "
                         f"{' '.join(QUICK['baseline'])})")
     p.add_argument("--budget", nargs="+", default=None, metavar="X",
                    help="activation budgets: a share of each workload's natural activation peak "

@@ -13,6 +13,14 @@ can be compared bit for bit with ``none``. Two passes:
 On CUDA the baselines run one after the other instead (``interleave=False``), since models that
 wait their turn would sit in the capped device memory of the others.
 
+**Exactness.** When ``none`` runs, the timed pass runs it twice (the second run, labelled
+``none (repeat)``, takes its turn like any baseline and makes no record). Where the two agree bit
+for bit, every baseline's losses must equal ``none``'s bit for bit (``losses_identical``). Where
+they do not (nondeterministic kernels: two plain steps of the video DiT on an H100 differed by
+1.2e-7 in the loss), the records say so (``reference_reproducible`` false, ``reference_max_diff``)
+and ``losses_within_reference`` tells whether a baseline's largest difference from ``none``
+(``losses_max_diff``) stays within the reference's own (see ``records``).
+
 A run that runs out of memory (``torch.cuda.OutOfMemoryError``, ``HostMemoryError``) is stopped
 and reported as ``oom``; the sweep goes on.
 
@@ -41,7 +49,7 @@ from ..copy.host_pool import HostMemoryError
 from ..engine import Chameleon
 from ..workloads import get_workload
 from ..workloads.base import Batch, Workload
-from .baselines import ENGINE_POLICIES, Baseline, check_baselines, make_baseline
+from .baselines import ENGINE_BASELINES, Baseline, check_baselines, make_baseline
 from .meter import MemoryMeter
 from .records import records
 
@@ -224,6 +232,7 @@ class Run:
     curves: dict = field(default_factory=dict)        # step -> [(s, live, saved)], metered
     oom: bool = False
     error: Optional[str] = None
+    repeat: bool = False             # the reference's second run, for its reproducibility
 
 
 def _passes(runs_and_baselines, schedule, cfg, seed, workload, *, metered: bool,
@@ -299,10 +308,11 @@ def _passes(runs_and_baselines, schedule, cfg, seed, workload, *, metered: bool,
 
 def steps_per_workload(cfg: SweepConfig) -> int:
     """Step runs one workload takes (for progress bars): both passes, every run."""
-    peers = [b for b in cfg.baselines if b not in ENGINE_POLICIES]
-    engines = [b for b in cfg.baselines if b in ENGINE_POLICIES]
+    peers = [b for b in cfg.baselines if b not in ENGINE_BASELINES]
+    engines = [b for b in cfg.baselines if b in ENGINE_BASELINES]
     runs = len(peers) + len(engines) * len(cfg.parsed_budgets)
-    return (cfg.warmup + cfg.steps) * runs * (2 if cfg.meter else 1)
+    repeat = 1 if "none" in cfg.baselines else 0       # the reference's second timed run
+    return (cfg.warmup + cfg.steps) * (runs * (2 if cfg.meter else 1) + repeat)
 
 
 def run_workload(cfg: SweepConfig, workload: Workload, progress: Optional[Progress] = None,
@@ -315,28 +325,34 @@ def run_workload(cfg: SweepConfig, workload: Workload, progress: Optional[Progre
         natural = natural_peak(workload, schedule, device, cfg.seed)
     pairs: list = []
     for name in cfg.baselines:
-        if name in ENGINE_POLICIES:
+        if name in ENGINE_BASELINES:
             for b in cfg.parsed_budgets:
                 nbytes = b.resolve(natural)
                 pairs.append((Run(name, name, b, nbytes), make_baseline(name, device, nbytes)))
         else:
             base = make_baseline(name, device, None)
             pairs.append((Run(name, base.label, None, None), base))
+    # The reference runs twice in the timed pass: is it bitwise reproducible at all?
+    repeat = None
+    if "none" in cfg.baselines:
+        repeat = (Run("none", "none (repeat)", None, None, repeat=True),
+                  make_baseline("none", device, None))
     # Curves for the plots: the training step with the most tokens (the largest shapes).
     train = [i for i, b in enumerate(schedule) if b.train]
     curve_steps = {max(train, key=lambda i: (schedule[i].tokens, -i))} if train else set()
     try:
-        _passes(pairs, schedule, cfg, cfg.seed, workload, metered=False, progress=progress,
-                curve_steps=curve_steps)
+        _passes(pairs + ([repeat] if repeat else []), schedule, cfg, cfg.seed, workload,
+                metered=False, progress=progress, curve_steps=curve_steps)
         if cfg.meter:
             budgets = sorted({b.resolve(natural) for b in cfg.parsed_budgets})
             _passes(pairs, schedule, cfg, cfg.seed, workload, metered=True, progress=progress,
                     curve_steps=curve_steps, budgets=budgets)
     finally:
-        for _, base in pairs:
+        for _, base in pairs + ([repeat] if repeat else []):
             base.close()
     info = {"natural_peak_bytes": natural, "schedule": [_batch_info(b) for b in schedule],
-            "curve_steps": sorted(curve_steps)}
+            "curve_steps": sorted(curve_steps),
+            "reference_repeat": repeat[0] if repeat else None}
     return [run for run, _ in pairs], info
 
 

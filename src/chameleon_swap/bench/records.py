@@ -3,15 +3,24 @@
 One record per engine run (a policy at a budget); a baseline without a budget runs once and gets a
 record per budget, since whether it *fits* depends on the budget (see ``harness``). Each record
 carries the environment (device, torch, commit), the config, the medians and a ``per_step`` list.
+
+Exactness: ``losses_identical`` compares a run's losses (both passes) with ``none``'s bit for bit.
+The harness runs ``none`` twice; ``reference_reproducible`` says whether those two runs agree bit
+for bit and ``reference_max_diff`` by how much they differ at most. Where the reference is
+reproducible the bitwise comparison is the whole check (``losses_within_reference`` is None).
+Where it is not, ``losses_max_diff`` is a run's largest difference from ``none`` over the steps
+and ``losses_within_reference`` whether that is at most ``reference_max_diff``: a baseline can be
+no more exact than the plain step is with itself.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Optional
 
 import torch
 
-from .baselines import ENGINE_POLICIES
+from .baselines import ENGINE_BASELINES
 
 
 def _q(xs: list, q: float) -> Optional[float]:
@@ -24,6 +33,37 @@ def _q(xs: list, q: float) -> Optional[float]:
 
 def _equal_losses(a: list, b: list) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def max_loss_diff(a: list, b: list) -> Optional[float]:
+    """Largest absolute difference of two runs' losses, step by step (in float64); None when they
+    have different lengths (a run that stopped) or no steps. NaN where a loss is NaN."""
+    if len(a) != len(b) or not a:
+        return None
+    return _nan_max(float((x.double() - y.double()).abs().max()) for x, y in zip(a, b))
+
+
+def _nan_max(xs) -> float:
+    """max that returns NaN when any value is NaN (Python's max depends on the order)."""
+    xs = list(xs)
+    return math.nan if any(math.isnan(x) for x in xs) else max(xs)
+
+
+def _count_modes(stats: list) -> Optional[dict]:
+    modes = [tuple(s["block_modes"]) for s in stats if s.get("block_modes")]
+    if not modes:
+        return None
+    return {",".join(map(str, m)): modes.count(m) for m in dict.fromkeys(modes)}
+
+
+def reference_check(none, repeat) -> tuple[Optional[bool], Optional[float]]:
+    """(bitwise reproducible?, largest difference) of the reference's two timed runs; (None, None)
+    when either is missing or incomplete."""
+    if none is None or repeat is None or none.error or repeat.error:
+        return None, None
+    if len(none.losses) != len(repeat.losses) or not none.losses:
+        return None, None
+    return _equal_losses(none.losses, repeat.losses), max_loss_diff(none.losses, repeat.losses)
 
 
 def records(cfg, workload, runs: list, info: dict, env: dict) -> list[dict]:
@@ -40,6 +80,7 @@ def records(cfg, workload, runs: list, info: dict, env: dict) -> list[dict]:
 
     # Per step, per budget: the memory the budget implies (see harness), from the no-engine run.
     caps = none.metered_caps if none is not None and not none.error else []
+    reference = reference_check(none, info.get("reference_repeat"))
     none_median = None
     if none is not None and len(none.seconds) == len(schedule):
         none_median = statistics.median(none.seconds[i] for i in timed if schedule[i]["train"])
@@ -48,12 +89,12 @@ def records(cfg, workload, runs: list, info: dict, env: dict) -> list[dict]:
         budgets = [run.budget] if run.budget is not None else cfg.parsed_budgets
         for b in budgets:
             out.append(_record(cfg, workload, run, b, b.resolve(natural), natural, schedule,
-                               timed, none, caps, none_median, peak_of(run), env))
+                               timed, none, caps, none_median, peak_of(run), env, reference))
     return out
 
 
 def _record(cfg, workload, run, budget, budget_bytes, natural, schedule, timed, none,
-            caps, none_median, peak, env) -> dict:
+            caps, none_median, peak, env, reference=(None, None)) -> dict:
     complete = not run.error and len(run.seconds) == len(schedule)
     train_timed = [i for i in timed if schedule[i]["train"]] if complete else []
     secs = [run.seconds[i] for i in train_timed]
@@ -64,13 +105,24 @@ def _record(cfg, workload, run, budget, budget_bytes, natural, schedule, timed, 
     step_caps = [c[budget_bytes] for c in caps]
     cap = max(step_caps) if step_caps else None
     act_peaks = [s["activation_peak_bytes"] for s in stats if "activation_peak_bytes" in s]
-    engine = run.baseline in ENGINE_POLICIES
-    identical = None
+    engine = run.baseline in ENGINE_BASELINES
+    identical = max_diff = within = None
+    reproducible, reference_diff = reference
     if none is not None and complete and run is not none:
         identical = _equal_losses(run.losses, none.losses) and (
             not run.metered_losses or _equal_losses(run.metered_losses, none.metered_losses))
+        diffs = [max_loss_diff(run.losses, none.losses)]
+        if run.metered_losses:
+            diffs.append(max_loss_diff(run.metered_losses, none.metered_losses))
+        max_diff = None if None in diffs else _nan_max(diffs)
+        if reproducible is False:
+            # Not NaN-safe by accident: a NaN difference compares False, so it is never within.
+            within = max_diff is not None and max_diff <= reference_diff
     elif run is none and complete:
         identical = True
+        max_diff = 0.0
+        if reproducible is False:
+            within = True
     fits = None
     if step_caps and len(run.metered_peaks) == len(step_caps):
         fits = all(p <= c + k["largest"]
@@ -85,7 +137,8 @@ def _record(cfg, workload, run, budget, budget_bytes, natural, schedule, timed, 
             rec["loss"] = float(run.losses[i])
             s = run.stats[i] if i < len(run.stats) else {}
             for k in ("activation_peak_bytes", "saved_bytes", "plan_source", "sequence_changed",
-                      "moved_bytes", "stall_seconds", "sync_fetches"):
+                      "moved_bytes", "stall_seconds", "sync_fetches", "block_modes",
+                      "recomputed_bytes", "predicted_stall_seconds", "predicted_step_seconds"):
                 if k in s:
                     rec[k] = s[k]
         if i < len(run.metered_peaks):
@@ -122,9 +175,14 @@ def _record(cfg, workload, run, budget, budget_bytes, natural, schedule, timed, 
         "changes_served_by": ({src: sum(s["plan_source"] == src for s in changed)
                                for src in sorted({s["plan_source"] for s in changed})}
                               if engine else None),
+        # Block modes (keep, selective, full) the steps ran, and how many steps ran each:
+        # {"8,0,0": 5, "5,3,0": 1}; None where the engine runs no blocks (swap only, peers).
+        "block_modes": _count_modes(stats) if engine else None,
         "plan_sources": ({src: sum(s["plan_source"] == src for s in stats)
                           for src in sorted({s["plan_source"] for s in stats})}
                          if engine else None),
         "oom": run.oom, "error": run.error, "losses_identical": identical,
+        "reference_reproducible": reproducible, "reference_max_diff": reference_diff,
+        "losses_max_diff": max_diff, "losses_within_reference": within,
         "per_step": per_step,
     }

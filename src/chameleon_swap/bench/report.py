@@ -16,7 +16,7 @@ from typing import Optional
 
 from ..config import format_bytes
 
-SOURCES = {"guard": "#d62728", "planned": "#2ca02c", "cache": "#1f77b4"}
+SOURCES = {"guard": "#d62728", "planned": "#2ca02c", "cache": "#1f77b4", "replanned": "#ff7f0e"}
 
 
 def _mib(n: Optional[int]) -> str:
@@ -41,10 +41,12 @@ def markdown(records: list[dict]) -> str:
                   f"natural activation peak {_mib(first['natural_peak_bytes'])}; "
                   f"{first['steps']} timed steps after {first['warmup']} warm-up; "
                   f"peak = {first['peak_source'] or 'not measured'}.", "",
+                  *reference_note(first),
                   "| budget | baseline | step ms (median) | IQR ms | x none | tokens/s | peak | "
                   "memory the budget implies | fits | activations held to budget | moved out | "
-                  "stall ms | sync fetches | seq. changes (served by) | OOM | losses identical |",
-                  "|" + " --- |" * 16]
+                  "stall ms | sync fetches | seq. changes (served by) | block modes (keep,sel,full:"
+                  " steps) | OOM | losses identical |",
+                  "|" + " --- |" * 17]
         for r in sorted(rows, key=lambda r: (r["budget_bytes"], _order(r["baseline"]))):
             served = r["changes_served_by"]
             changes = "-" if r["sequence_changes"] is None else (
@@ -59,10 +61,37 @@ def markdown(records: list[dict]) -> str:
                 _yes(r["budget_held"]) if r["budget_applies"] else "n/a",
                 _mib(r["moved_bytes"]), _ms(r["stall_seconds"]),
                 "-" if r["sync_fetches"] is None else str(r["sync_fetches"]), changes,
+                _modes(r.get("block_modes")),
                 "**OOM**" if r["oom"] else ("error" if r["error"] else "no"),
-                _yes(r["losses_identical"])]) + " |")
+                exactness(r)]) + " |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _modes(counts: Optional[dict]) -> str:
+    return "-" if not counts else ", ".join(f"{m}: {n}" for m, n in counts.items())
+
+
+def reference_note(record: dict) -> list[str]:
+    """The line that says the plain step differs from itself, when it does (else nothing)."""
+    if record.get("reference_reproducible") is not False:
+        return []
+    return [f"reference not bitwise reproducible (max diff {record['reference_max_diff']:.3g}): "
+            f"two runs of the plain step differ, so the last column says whether each "
+            f"baseline's losses stay within that difference of the plain step's.", ""]
+
+
+def exactness(record: dict) -> str:
+    """The "losses identical" cell: yes/no bit for bit where the reference is reproducible;
+    where it is not, whether the run stays within the reference's own difference."""
+    if record.get("reference_reproducible") is not False or record["losses_identical"]:
+        return _yes(record["losses_identical"])
+    within, diff = record.get("losses_within_reference"), record.get("losses_max_diff")
+    if within is None:
+        return "-"
+    shown = "nan" if diff is None else f"{diff:.3g}"
+    return (f"within reference (max diff {shown})" if within
+            else f"**no**: max diff {shown} > reference's")
 
 
 def _order(name: str) -> int:

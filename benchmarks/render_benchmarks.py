@@ -1,0 +1,229 @@
+"""Render the tables of BENCHMARKS.md from the result files under benchmarks/results/.
+
+    python benchmarks/render_benchmarks.py [--check] [--results DIR] [--doc FILE]
+
+BENCHMARKS.md is prose written by hand around blocks this script owns: each block sits between
+``<!-- render: NAME -->`` and ``<!-- /render: NAME -->`` and is replaced by what ``BLOCKS[NAME]``
+renders from the JSON files, so no number in a table is typed by hand. ``--check`` writes nothing
+and exits 1 when a block differs from what the files give (or a block is missing).
+
+Blocks (all from ``benchmarks/results/h100/``, one NVIDIA H100 80GB HBM3 at commit c308ca2):
+
+* ``h100-env``: the environment the files record;
+* ``h100-llama``: ``hybrid-h100-<config>.json`` (``benchmarks/hybrid.py --device cuda``), one
+  table per config, and the comparison of the hybrid with the fastest recomputation that needs no
+  more device memory than the hybrid did;
+* ``h100-dit``: ``bench-h100-video-dit.json`` (``chameleon-swap bench --workload video-dit
+  --size gpu``);
+* ``h100-hooks``: ``hook_cost-h100.json`` (``benchmarks/hook_cost.py --device cuda``).
+
+Needs only the standard library (no torch).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+DOC = ROOT / "BENCHMARKS.md"
+DEVICE = "h100"
+LLAMA_CONFIGS = ("4096x8", "8192x4")
+RECOMPUTE = ("full-recompute", "selective-recompute")
+
+
+def gib(n) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def x(r) -> str:
+    return "-" if r is None else f"{r:.2f}x"
+
+
+def _load(results: Path, name: str):
+    path = results / DEVICE / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: BENCHMARKS.md's tables are rendered from it")
+    return json.loads(path.read_text())
+
+
+# --------------------------------------------------------------------------- blocks
+def env_block(results: Path) -> str:
+    rows = []
+    for name in [f"hybrid-{DEVICE}-{c}.json" for c in LLAMA_CONFIGS] + [f"hook_cost-{DEVICE}.json"]:
+        rows.append((name, _load(results, name)["environment"]))
+    dit = _load(results, f"bench-{DEVICE}-video-dit.json")[0]
+    rows.append((f"bench-{DEVICE}-video-dit.json", dit))
+    lines = ["| file | device | torch | CUDA | commit | date (UTC) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for name, e in rows:
+        lines.append(f"| `{name}` | {e['device_name']} | {e['torch']} | {e.get('cuda', '-')} | "
+                     f"`{e['commit']}` | {e['date']} |")
+    return "\n".join(lines)
+
+
+def _modes(by_mode: dict, pct: str) -> dict:
+    """The five modes of one budget, under stable keys."""
+    return {"none": by_mode["none"], "full": by_mode["full-recompute"],
+            "selective": by_mode["selective-recompute"], "swap": by_mode[f"swap@{pct}"],
+            "hybrid": by_mode[f"hybrid@{pct}"]}
+
+
+def best_recompute(m: dict) -> tuple:
+    """(name, record) of the fastest recomputation whose peak device memory is at most the
+    hybrid's; (None, None) when none is that small."""
+    peak = m["hybrid"]["peak_device_bytes"]
+    fitting = [(k, m[k]) for k in ("full", "selective") if m[k]["peak_device_bytes"] <= peak]
+    if not fitting:
+        return None, None
+    return min(fitting, key=lambda kv: kv[1]["median_step_s"])
+
+
+NAMES = {"full": "full recomputation", "selective": "selective recomputation"}
+
+
+def llama_block(results: Path) -> str:
+    out = []
+    for config in LLAMA_CONFIGS:
+        d = _load(results, f"hybrid-{DEVICE}-{config}.json")
+        c = d["config"]
+        out += [f"**{config}** (hidden {c['hidden']}, {c['layers']} layers, {c['heads']} heads, "
+                f"lengths {', '.join(str(n) for n in c['lengths'])}, batch {c['batch']}, "
+                f"{c['autocast']} autocast; {c['warmup']} warm-up + {c['reps']} timed steps per "
+                f"mode and budget; natural activation peak "
+                f"{gib(d['natural_activation_peak_bytes'])}; losses bitwise equal across modes: "
+                f"{'yes' if d['losses_bitwise_equal_across_modes'] else 'no'})", "",
+                "| budget | none | full recompute | selective | swap only | hybrid | "
+                "hybrid's block modes (keep, selective, full) | hybrid's stall (median) |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for pct, by_mode in d["results"].items():
+            m = _modes(by_mode, pct)
+            def cell(k: str, m=m) -> str:
+                return f"{x(m[k]['ratio_vs_none'])} ({gib(m[k]['peak_device_bytes'])})"
+            h = m["hybrid"]
+            out.append(f"| {pct} ({gib(h['budget_bytes'])}) | "
+                       f"{m['none']['median_step_s']:.3f} s ({gib(m['none']['peak_device_bytes'])})"
+                       f" | {cell('full')} | {cell('selective')} | {cell('swap')} | "
+                       f"**{cell('hybrid')}** | {tuple(h['block_modes'])} | "
+                       f"{h['median_stall_s']:.3f} s |")
+        out.append("")
+    out += ["Cells: median step time over the plain step's, and in brackets the peak device "
+            "memory (`max_memory_allocated` above the step's start); the budget bounds saved "
+            "activations only.", "",
+            "The hybrid against the fastest recomputation that needs no more device memory than "
+            "the hybrid did:", ""]
+    for config in LLAMA_CONFIGS:
+        d = _load(results, f"hybrid-{DEVICE}-{config}.json")
+        for pct, by_mode in d["results"].items():
+            m = _modes(by_mode, pct)
+            name, rec = best_recompute(m)
+            h = m["hybrid"]["ratio_vs_none"]
+            if rec is None:
+                out.append(f"- {config} @{pct}: hybrid {x(h)}; no recomputation fits in its "
+                           f"{gib(m['hybrid']['peak_device_bytes'])}.")
+                continue
+            r = rec["ratio_vs_none"]
+            verdict = "slower than" if h > r else "faster than" if h < r else "as fast as"
+            out.append(f"- {config} @{pct}: hybrid {x(h)}, {verdict} {NAMES[name]} {x(r)}.")
+    return "\n".join(out)
+
+
+def dit_block(results: Path) -> str:
+    recs = _load(results, f"bench-{DEVICE}-video-dit.json")
+    first = recs[0]
+    cfg = first["config"]["workload"]
+    out = [f"`video-dit` at size `{first['size']}` (width {cfg['dim']}, {cfg['n_layers']} "
+           f"blocks, buckets (frames, height, width) "
+           f"{', '.join(str(tuple(b)) for b in cfg['buckets'])}); natural activation peak "
+           f"{gib(first['natural_peak_bytes'])}; {first['steps']} timed steps after "
+           f"{first['warmup']} warm-up; peak = {first['peak_source']}.", "",
+           "| budget | baseline | step s (median) | x none | peak | activations held to budget "
+           "| losses identical (as recorded) |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    seen = set()
+    for r in recs:
+        # Baselines without a budget run once and are recorded once per budget: show them once.
+        key = (r["baseline"], r["budget"] if r["budget_applies"] else None)
+        if key in seen:
+            continue
+        seen.add(key)
+        budget = f"{r['budget']} ({gib(r['budget_bytes'])})" if r["budget_applies"] else "-"
+        held = ("-" if not r["budget_applies"] or r["budget_held"] is None
+                else "yes" if r["budget_held"] else "no")
+        same = "-" if r["losses_identical"] is None else "yes" if r["losses_identical"] else "no"
+        out.append(f"| {budget} | {r['label']} | {r['step_seconds_median']:.3f} | "
+                   f"{x(r['ratio_vs_none'])} | {gib(r['peak_bytes'])} | {held} | {same} |")
+    return "\n".join(out)
+
+
+def hooks_block(results: Path) -> str:
+    d = _load(results, f"hook_cost-{DEVICE}.json")
+    c = d["config"]
+    out = [f"{c['model']}, batch {c['batch']}; {c['rounds']} rounds of {c['warmup_per_round']} "
+           f"warm-up + {c['steps_per_round']} steps; losses bitwise equal: "
+           f"{'yes' if d['losses_bitwise_equal'] else 'no'}.", "",
+           "| mode | " + " | ".join(f"{k}: step ms (x none) | {k}: us per saved tensor"
+                                   for k in d["results"]) + " |",
+           "|" + " --- |" * (1 + 2 * len(d["results"]))]
+    modes = list(next(iter(d["results"].values()))["modes"])
+    for mode in modes:
+        cells = []
+        for style in d["results"].values():
+            m = style["modes"][mode]
+            cells += [f"{m['median_step_ms']:.1f} ({x(m['step_ratio_vs_none'])})",
+                      f"{m['step_us_per_saved_tensor']:.1f}"]
+        out.append(f"| {mode} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+BLOCKS: dict[str, Callable[[Path], str]] = {
+    "h100-env": env_block, "h100-llama": llama_block, "h100-dit": dit_block,
+    "h100-hooks": hooks_block}
+
+
+# --------------------------------------------------------------------------- the document
+def _pattern(name: str) -> re.Pattern:
+    return re.compile(rf"(<!-- render: {re.escape(name)} -->\n)(.*?)(<!-- /render: "
+                      rf"{re.escape(name)} -->)", re.S)
+
+
+def render(text: str, results: Path = RESULTS) -> str:
+    """``text`` with every block replaced by what the result files give; a block missing from
+    ``text`` is an error naming it."""
+    for name, fn in BLOCKS.items():
+        pat = _pattern(name)
+        if not pat.search(text):
+            raise ValueError(f"the document has no block {name!r}: add '<!-- render: {name} -->' "
+                             f"and '<!-- /render: {name} -->' where its table goes")
+        body = fn(results)
+        text = pat.sub(lambda m: m.group(1) + body + "\n" + m.group(3), text)
+    return text
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true",
+                   help="write nothing; exit 1 when the document is not what the files give")
+    p.add_argument("--results", type=Path, default=RESULTS, help="results folder")
+    p.add_argument("--doc", type=Path, default=DOC, help="the document (default BENCHMARKS.md)")
+    a = p.parse_args(argv)
+    old = a.doc.read_text()
+    new = render(old, a.results)
+    if a.check:
+        if new != old:
+            print(f"{a.doc} is out of date: run python benchmarks/render_benchmarks.py",
+                  file=sys.stderr)
+            return 1
+        return 0
+    if new != old:
+        a.doc.write_text(new)
+        print(f"wrote {a.doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""benchmarks/render_benchmarks.py: BENCHMARKS.md's tables are the result files', not typed by hand.
+
+The committed document must be what the committed files render; a changed file changes the
+document (and ``--check`` then fails); a document missing a block is an error naming it.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def render(monkeypatch):
+    monkeypatch.setattr(sys, "path", [str(ROOT / "benchmarks"), *sys.path])
+    sys.modules.pop("render_benchmarks", None)
+    return importlib.import_module("render_benchmarks")
+
+
+def test_the_committed_document_is_what_the_committed_results_render(render):
+    assert render.main(["--check"]) == 0
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    for name in render.BLOCKS:
+        assert f"<!-- render: {name} -->" in text
+
+
+def test_a_changed_result_changes_the_table_and_fails_the_check(render, tmp_path, capsys):
+    results = tmp_path / "results"
+    shutil.copytree(ROOT / "benchmarks" / "results" / "h100", results / "h100")
+    doc = tmp_path / "BENCHMARKS.md"
+    doc.write_text((ROOT / "BENCHMARKS.md").read_text())
+    path = results / "h100" / "hybrid-h100-4096x8.json"
+    d = json.loads(path.read_text())
+    before = d["results"]["25%"]["hybrid@25%"]["ratio_vs_none"]
+    d["results"]["25%"]["hybrid@25%"]["ratio_vs_none"] = 1.05
+    d["results"]["25%"]["hybrid@25%"]["block_modes"] = [0, 2, 6]
+    path.write_text(json.dumps(d))
+    assert render.main(["--check", "--results", str(results), "--doc", str(doc)]) == 1
+    assert "out of date" in capsys.readouterr().err
+    assert render.main(["--results", str(results), "--doc", str(doc)]) == 0
+    text = doc.read_text()
+    assert f"**{before:.2f}x (" not in text and "**1.05x (" in text and "(0, 2, 6)" in text
+    # The comparison follows the numbers: 1.05x now beats full recomputation's 1.27x.
+    assert "4096x8 @25%: hybrid 1.05x, faster than full recomputation 1.27x." in text
+    assert render.main(["--check", "--results", str(results), "--doc", str(doc)]) == 0
+
+
+def test_a_missing_block_or_file_is_named(render, tmp_path):
+    with pytest.raises(ValueError, match="no block 'h100-env'"):
+        render.render("# nothing here\n")
+    with pytest.raises(FileNotFoundError, match="hybrid-h100-4096x8.json is missing"):
+        render.render((ROOT / "BENCHMARKS.md").read_text(), tmp_path)
