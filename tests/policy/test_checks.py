@@ -106,7 +106,8 @@ def test_a_model_that_misses_is_corrected_and_the_step_says_replanned():
         hist = list(eng.history)
         assert "replanned" in [s.plan_source for s in hist]
         d2h, h2d = eng._policy.link()
-        assert 2e7 < d2h < 6e7 and 2e7 < h2d < 6e7          # measured: about 40 MB/s
+        # Timed: about 40 MB/s each way; fitted to the stall the steps saw, at most 4x below.
+        assert 0.99e7 <= d2h < 6e7 and 0.99e7 <= h2d < 6e7
 
 
 def test_the_10mb_link_case_recomputes():

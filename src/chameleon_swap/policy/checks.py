@@ -32,6 +32,7 @@ MIN_MISS_SECONDS = 0.005    # and by more than this: a few milliseconds of jitte
 MISSES_TO_REPLAN = 2        # misses in a row (one key) before the model is corrected
 COMPUTE_CLAMP = (0.25, 4.0)  # a correction of compute by more than this is not believed
 MIN_LINK_SECONDS = 1e-3     # copying time below which a direction's bandwidth is not measured
+TIMED_FIT = 0.25            # a fitted link is at least this share of the copies' timed speed
 
 
 class PlanChecks:
@@ -74,9 +75,13 @@ class PlanChecks:
         # What the step lost to copies can exceed what the model predicts at the copies' own
         # speed (copies issued later than modelled, waits the model does not have): the link is
         # then what the steps saw, one factor fitted so the model's stall meets the measured one.
+        # Where the copies were timed, the fit stays within TIMED_FIT of their own speed: a plan
+        # that moves little is barely sensitive to the link, and its stall alone would drive
+        # the fit to any value.
         hi = min(out[0] / assumed[0], out[1] / assumed[1], 1.0) if timed else 1.0
         if stall_at is not None and measured_stall > stall_at(hi):
-            f = fit_factor(stall_at, measured_stall, hi=hi)
+            f = fit_factor(stall_at, measured_stall, lo=hi * TIMED_FIT if timed else 1 / 256,
+                           hi=hi)
             out = [assumed[0] * f, assumed[1] * f]
         self.link = (float(out[0]), float(out[1]))
         return self.link
