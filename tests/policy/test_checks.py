@@ -26,6 +26,7 @@ def test_two_misses_in_a_row_of_one_key_call_for_a_replan():
     assert not c.observe("a", 1.0, 1.5)             # first miss
     assert not c.observe("b", 1.0, 1.5)             # another key counts apart
     assert c.observe("a", 1.0, 1.5)                 # second miss of "a": replan
+    assert not any(c.observe("a", 1.0, 9.0) for _ in range(checks.COOLDOWN))   # cooling down
     assert not c.observe("a", 1.0, 1.5)             # counting starts again
     assert not c.observe("a", 1.0, 1.05)            # within 10%: a hit resets ...
     assert not c.observe("a", 1.0, 1.5)             # ... so this is a first miss again
@@ -106,8 +107,7 @@ def test_a_model_that_misses_is_corrected_and_the_step_says_replanned():
         hist = list(eng.history)
         assert "replanned" in [s.plan_source for s in hist]
         d2h, h2d = eng._policy.link()
-        # Timed: about 40 MB/s each way; fitted to the stall the steps saw, at most 4x below.
-        assert 0.99e7 <= d2h < 6e7 and 0.99e7 <= h2d < 6e7
+        assert 2e7 < d2h < 6e7 and 2e7 < h2d < 6e7          # timed: about 40 MB/s
 
 
 def test_the_10mb_link_case_recomputes():
