@@ -125,8 +125,12 @@ def test_recurring_sequences_hit_the_plan_cache_without_detailed_steps():
     assert stats[0].profile_mode == "detailed" and stats[0].plan_source == "guard"
     assert [s.sequence_changed for s in stats[1:]] == [True] * (len(stats) - 1)
     tail = stats[-6:]
-    # Settled: every step finds its own plan in the cache, and none needs timing any more.
-    assert [s.plan_source for s in tail] == ["cache"] * 6, [s.plan_source for s in stats]
+    # Settled: every step finds its own plan in the cache, and none needs timing any more. (A
+    # step may read "replanned": the closed loop re-makes a cached plan whose predictions a
+    # loaded machine's real clock missed twice; it stays the signature's plan in the cache.)
+    sources = [s.plan_source for s in tail]
+    assert set(sources) <= {"cache", "replanned"} and sources.count("cache") >= 4, \
+        [s.plan_source for s in stats]
     assert [s.profile_mode for s in tail] == ["lightweight"] * 6, [s.profile_mode for s in stats]
     assert all(s.predicted_stall_seconds is not None for s in tail)
     assert len({s.signature for s in stats}) == 2
@@ -139,9 +143,9 @@ def test_steady_sequence_uses_its_plan_and_an_eval_step_keeps_it():
     budget = budget_for(model, b, 0.3)
     stats = run_schedule(model, schedule, budget, "chameleon")
     assert stats[0].plan_source == "guard"
-    assert [s.plan_source for s in stats[1:4]] == ["planned"] * 3
+    assert {s.plan_source for s in stats[1:4]} <= {"planned", "replanned"}   # see above
     assert stats[4].saved_bytes == 0 and not stats[4].sequence_changed
-    assert [s.plan_source for s in stats[5:]] == ["planned"] * 2      # the plan survived the eval
+    assert {s.plan_source for s in stats[5:]} <= {"planned", "replanned"}  # it survived the eval
     assert not any(s.sequence_changed for s in stats)
     assert stats[-1].profile_mode == "lightweight"
     assert stats[-1].plan_overrides == 0 and stats[-1].forced_offloads == 0
@@ -226,7 +230,7 @@ def test_a_plan_made_for_long_sequences_moves_nothing_on_a_short_step_that_fits(
     stats = run_schedule(model, schedule, budget, "chameleon")
     assert any(s.plan_source in ("planned", "cache") for s in stats[:3])
     for s in stats[3:6]:
-        assert s.plan_source == "planned" and s.offloaded_bytes == 0, s
+        assert s.plan_source in ("planned", "replanned") and s.offloaded_bytes == 0, s
     mid = stats[6]
     need = mid.saved_bytes - budget
     assert need > 0 and mid.offloaded_bytes <= 1.5 * need + max(mid.saved_bytes // 10, 1), mid
