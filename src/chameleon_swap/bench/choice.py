@@ -71,7 +71,7 @@ def run_choice(device: torch.device, steps: int,
                advance: Callable[..., None] = lambda *a, **k: None, tiny: bool = False) -> dict:
     """Run the four legs for ``steps`` steps each; returns the summary the demo shows
     (``tiny``: the tests' model, seconds on a CPU)."""
-    import chameleon_swap as cs
+    from ..engine import Chameleon
     size = SIZES["tiny" if tiny else "cuda" if device.type == "cuda" else "cpu"]
     base = _model(size, device)
     lengths = [size["lengths"][i % len(size["lengths"])] for i in range(steps)]
@@ -87,7 +87,7 @@ def run_choice(device: torch.device, steps: int,
             return model(input_ids=ids[:, :-1], labels=ids[:, 1:], use_cache=False).loss
 
     def saved_peak(model, T) -> int:
-        with cs.Chameleon(None, device=device, min_tensor_bytes=0) as probe:
+        with Chameleon(None, device=device, min_tensor_bytes=0) as probe:
             with probe.step():
                 loss_of(model, T).backward()
             model.zero_grad(set_to_none=True)
@@ -110,8 +110,8 @@ def run_choice(device: torch.device, steps: int,
     models["gradient checkpointing"].gradient_checkpointing_enable(
         gradient_checkpointing_kwargs={"use_reentrant": False})
     emulated = {} if link is None else {"emulate_link": link}
-    engines = {"swap only": cs.Chameleon(budget, device=device, **emulated),
-               "chameleon model=": cs.Chameleon(budget, device=device,
+    engines = {"swap only": Chameleon(budget, device=device, **emulated),
+               "chameleon model=": Chameleon(budget, device=device,
                                                 model=models["chameleon model="], **emulated)}
     opts = {leg: torch.optim.SGD(m.parameters(), lr=1e-3) for leg, m in models.items()}
     per_step = []

@@ -343,6 +343,9 @@ class ChameleonPolicy:
                                      stall_fn(tl, tl_plan, self.ex.budget, 1.0), stall)
             entry = self._make(profile)
             entry.replanned = True
+            # A lightweight step's compute is the plan's own shape scaled to the measured step:
+            # as good as the timed profile it corrects, so no timed step is asked for again.
+            entry.detailed = entry.detailed or applied.detailed
             self.cache.put(entry)
         self.planner_seconds += time.perf_counter() - t0
 
