@@ -419,3 +419,76 @@ def test_settle_returns_buffers_no_record_holds_and_rebuilds_free_ranges():
     pool.release(a)
     assert pool.in_use_bytes == 0
     assert pool.free_ranges() == [(0, 0, pool.slab_sizes[0])]
+
+
+# =========================================================================== growing ahead
+def test_the_background_thread_grows_in_bounded_chunks_and_a_ready_slab_costs_no_wait():
+    """Issue 19, item 1: with ``ahead=True`` the arena keeps free room ahead of use, allocated
+    on a background thread in slabs of at most ``chunk_bytes``; an acquire served from them
+    waits for nothing and their bytes belong to no step's ``allocated_bytes``."""
+    pool = HostPool(2**30, pin=False, ahead=True, chunk_bytes=4 * MiB)
+    try:
+        first = pool.acquire(1 * MiB)                     # empty arena: allocated here, waited
+        assert pool.allocated_bytes == MIN_SLAB_BYTES and pool.wait_seconds > 0
+        pool.grow_ahead(64 * MiB)
+        assert pool.wait_ahead(timeout=30)
+        assert 64 * MiB <= pool.reserved_bytes < 68 * MiB       # whole chunks, to the target
+        assert max(pool.slab_sizes[1:]) <= 4 * MiB             # never one huge allocation
+        assert pool.ahead_bytes == pool.reserved_bytes - MIN_SLAB_BYTES
+        waited, allocated = pool.wait_seconds, pool.allocated_bytes
+        held = [pool.acquire(3 * MiB) for _ in range(15)]       # 45 MiB: all from ready chunks
+        assert pool.wait_seconds == waited and pool.allocated_bytes == allocated
+        assert_disjoint(held + [first])
+    finally:
+        pool.close()
+    assert pool.reserved_bytes > 0                   # buffers still out keep their slabs
+    for b in held + [first]:
+        pool.release(b)
+    assert pool.reserved_bytes == 0                  # the last one back frees everything
+
+
+def test_a_slow_allocator_makes_the_wait_measurable_and_it_is_reported(monkeypatch):
+    """The testing hook (``CHAMELEON_SWAP_TEST_HOST_ALLOC_DELAY``, seconds per GiB) sleeps in
+    every slab allocation; an acquire that must allocate waits at least that long, and a chunk
+    it waited for on the background thread counts as allocated in its step."""
+    monkeypatch.setenv(host_pool.ALLOC_DELAY_ENV, "4")           # 4 s per GiB: 16 MiB = 62 ms
+    pool = HostPool(2**30, pin=False, ahead=True, chunk_bytes=16 * MiB)
+    try:
+        assert pool.alloc_delay_s_per_gib == 4
+        a = pool.acquire(16 * MiB)
+        assert pool.wait_seconds >= 4 * 16 / 1024 * 0.99 and pool.allocated_bytes == 16 * MiB
+        # The acquire asked for room ahead; the next one arrives while that chunk is on its
+        # way and waits for it rather than allocating beside it.
+        b = pool.acquire(16 * MiB)
+        assert pool.allocated_bytes == 32 * MiB             # the chunk it waited for
+        assert pool.wait_seconds >= 4 * 32 / 1024 * 0.99
+    finally:
+        pool.close()
+    with pytest.raises(ValueError, match="alloc_delay_s_per_gib"):
+        HostPool(2**20, pin=False, alloc_delay_s_per_gib=-1)
+
+
+def test_end_step_keeps_headroom_over_recent_use_and_grows_it_off_the_step():
+    pool = HostPool(2**30, pin=False, ahead=True, chunk_bytes=4 * MiB)   # one buffer a slab
+    try:
+        held = [pool.acquire(4 * MiB) for _ in range(8)]       # 32 MiB in use
+        for b in held:
+            pool.release(b)
+        pool.end_step()
+        assert pool.wait_ahead(timeout=30)
+        assert pool.reserved_bytes >= 48 * MiB                  # 1.5x what the step used
+        allocated, waited = pool.allocated_bytes, pool.wait_seconds
+        held = [pool.acquire(4 * MiB) for _ in range(11)]      # a larger step: 44 MiB
+        assert pool.allocated_bytes == allocated and pool.wait_seconds == waited
+        for b in held:
+            pool.release(b)
+        for _ in range(3):                                      # steady: nothing comes and goes
+            pool.end_step()
+            pool.wait_ahead(timeout=30)
+            n = pool.allocations
+            held = [pool.acquire(4 * MiB) for _ in range(11)]
+            for b in held:
+                pool.release(b)
+            assert pool.allocations == n
+    finally:
+        pool.close()

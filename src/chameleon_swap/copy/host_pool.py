@@ -11,7 +11,8 @@ longer than later ones when buffers were pinned per size. So host memory is kept
 * with ``ahead=True`` (the engine's arena) it grows *ahead*, off the step: a background thread (``chameleon-swap-host-grow``) allocates
   slabs of at most ``chunk_bytes`` (``GROW_CHUNK_BYTES``, 256 MiB, or the largest request seen
   if larger) whenever the free room falls below ``HEADROOM_FRACTION`` of what is in use (or twice
-  the largest request seen). Measured on an H100 host (issue 19): a step that doubled its arena
+  the largest request seen), and at each step's end to ``1 + HEADROOM_FRACTION`` times the most
+  any of the last ``TRIM_WINDOW`` steps used (which the trim then keeps). Measured on an H100 host (issue 19): a step that doubled its arena
   in one pinned allocation took 8.8-26 s where the plain step took 0.2-0.5 s, and with the memory
   pinned up front the same steps took 0.4-1.2 s. Growing in bounded chunks also means no single
   allocation pins tens of GiB at once;
@@ -216,6 +217,7 @@ class HostPool:
         self.ahead_bytes = 0        # bytes allocated off the step before anything needed them
         self._pending = 0           # bytes the grow thread is allocating now
         self._target = 0            # arena size the grow thread works towards
+        self._queued = 0            # size of the chunk handed to the grow thread (0: none)
         self._largest = 0           # largest request seen
         self._grower: Optional[threading.Thread] = None
         self._wake = threading.Event()
@@ -335,6 +337,18 @@ class HostPool:
         with self._lock:
             self._ask_locked(target_bytes)
 
+    def wait_ahead(self, timeout: Optional[float] = None) -> bool:
+        """Block until the background thread has nothing left to allocate (True), or
+        ``timeout`` seconds passed (False). For tests and benchmarks: steps never call it."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._pending:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._landed.wait(0.05 if left is None else min(left, 0.05))
+            return True
+
     def _keep_ahead_locked(self) -> None:
         room = self.cached_bytes + self._pending
         want = max(int(self.in_use_bytes * HEADROOM_FRACTION), 2 * self._largest)
@@ -345,9 +359,25 @@ class HostPool:
         if self._closed:
             return
         target = min(int(target_bytes), self.limit_bytes) // ALIGN * ALIGN
-        if target <= max(self._target, self.reserved_bytes + self._pending):
+        self._target = target           # the latest ask: the step's end lowers it again
+        self._schedule_locked()
+
+    def _schedule_locked(self) -> None:
+        """Hand the background thread its next chunk, if the arena is short of its target. The
+        chunk counts in ``_pending`` from here on, so an acquire that finds no room knows a slab
+        is on its way and waits for it instead of allocating one beside it."""
+        if self._closed or self._queued:
             return
-        self._target = target
+        short = self._target - self.reserved_bytes - self._pending
+        room = self.limit_bytes - self.reserved_bytes - self._pending
+        if short < ALIGN:
+            return
+        # A whole chunk (or the largest request, if larger), so every slab fits that request.
+        size = min(max(self.chunk_bytes, self._largest), room) // ALIGN * ALIGN
+        if size < ALIGN:
+            return
+        self._pending += size
+        self._queued = size
         if self._grower is None:
             self._grower = threading.Thread(target=self._grow_loop, daemon=True,
                                             name="chameleon-swap-host-grow")
@@ -361,27 +391,24 @@ class HostPool:
                 self._wake.clear()
                 if self._closed:
                     return
-                short = self._target - self.reserved_bytes - self._pending
-                room = (self.limit_bytes - self.reserved_bytes - self._pending) // ALIGN * ALIGN
-                size = min(max(self.chunk_bytes, self._largest), short, room) // ALIGN * ALIGN
-                if size < ALIGN:
-                    continue
-                self._pending += size
-                self._wake.set()           # more chunks may follow this one
+                size = self._queued
+            if not size:
+                continue
             try:
                 slab = self._new_slab(size)
             except BaseException:          # out of memory here: the acquiring thread will try
                 slab = None                # (and report a clear error if it cannot either)
             with self._lock:
                 self._pending -= size
+                self._queued = 0
                 if slab is None:
-                    self._target = self.reserved_bytes
-                    self._wake.clear()
+                    self._target = self.reserved_bytes    # stop growing ahead
                 elif not self._closed:
                     self._add_locked(slab, ahead=True)
                 self._landed.notify_all()
                 if self._closed:
                     return
+                self._schedule_locked()
 
     def release(self, buf: HostBuffer) -> None:
         with self._lock:
@@ -461,13 +488,20 @@ class HostPool:
         with self._lock:
             self._recent.append(self._step_peak)
             self._step_peak = self.in_use_bytes
-            keep = max(max(self._recent), self._reserve_bytes)
+            recent = max(self._recent)
+            if self.ahead:
+                # Room for the next step to be larger than any recent one, grown now, off the
+                # step; kept by the trim below, so it is not pinned again every step.
+                recent = min(int(recent * (1 + HEADROOM_FRACTION)), self.limit_bytes)
+            keep = max(recent, self._reserve_bytes)
             dropped = False
             for slab in sorted((s for s in self._slabs if s.free_bytes == s.size),
                                key=lambda s: -s.size):
                 if self.reserved_bytes - slab.size >= keep:
                     self._drop_locked(slab)
                     dropped = True
+            if self.ahead:
+                self._ask_locked(keep)
         if dropped and self.pin:
             _empty_host_cache()   # torch caches freed pinned blocks: give the pages back
 
