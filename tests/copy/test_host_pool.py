@@ -492,3 +492,50 @@ def test_end_step_keeps_headroom_over_recent_use_and_grows_it_off_the_step():
             assert pool.allocations == n
     finally:
         pool.close()
+
+
+class _Wide(torch.nn.Module):
+    """Elementwise layers over rows of 256: a MiB-sized tensor per layer and row count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.ParameterList(torch.nn.Parameter(torch.full((256,), 1.0 + i / 10))
+                                        for i in range(6))
+
+    def forward(self, x):
+        for w in self.w:
+            x = torch.tanh(x * w)
+        return x.sum()
+
+
+def test_with_a_slow_allocator_steps_after_the_first_wait_for_nothing_grown_ahead(monkeypatch):
+    """Issue 19, item 1, through the engine, on a schedule that grows and shrinks (each new
+    size at most twice the most recent use). With the allocator slowed on purpose the first
+    step waits (and says so in ``host_wait_seconds``); once the background thread has grown the
+    arena ahead (``wait_ahead``: what the time between steps gives it), no later step allocates
+    on its own thread or waits; every loss and gradient is bitwise the plain run's."""
+    monkeypatch.setenv(host_pool.ALLOC_DELAY_ENV, "2")         # 2 s per GiB
+    model = _Wide()
+    rows = [1024, 1536, 2048, 3072, 1024, 2048, 3072]
+    batches = [randn_rows(n, seed=i) for i, n in enumerate(rows)]
+    ref, test = copy.deepcopy(model), copy.deepcopy(model)
+    with cs.Chameleon(0, device="cpu", policy="guard") as eng:
+        assert eng._pool.alloc_delay_s_per_gib == 2
+        for i, b in enumerate(batches):
+            ref.zero_grad(set_to_none=True)
+            test.zero_grad(set_to_none=True)
+            loss_ref = train_step(ref, b)
+            loss = train_step(test, b, eng)
+            assert_bitwise(loss_ref, grads(ref), loss, grads(test))
+            s = eng.last_step
+            assert s.offloaded_tensors > 0
+            if i == 0:
+                assert s.host_allocated_bytes > 0 and s.host_wait_seconds > 0
+            else:
+                assert s.host_allocated_bytes == 0 and s.host_wait_seconds == 0, (i, s)
+            assert eng._pool.wait_ahead(timeout=60)
+        assert eng.totals.host_wait_seconds == eng.history[0].host_wait_seconds
+
+
+def randn_rows(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, 256, generator=torch.Generator().manual_seed(seed))

@@ -72,7 +72,7 @@ ALIGN = 4096                 # page size: every buffer starts on and spans whole
 MIN_SLAB_BYTES = 2**21       # the first slab: small arenas would otherwise grow in many steps
 TRIM_WINDOW = 32             # steps whose host use bounds the arena (see HostPool.end_step)
 GROW_CHUNK_BYTES = 2**28     # most one slab allocation takes (unless one request needs more)
-HEADROOM_FRACTION = 0.5      # free room kept ahead of use, as a fraction of the bytes in use
+HEADROOM_FRACTION = 1.0      # free room kept ahead of use, as a fraction of the bytes in use
 ALLOC_DELAY_ENV = "CHAMELEON_SWAP_TEST_HOST_ALLOC_DELAY"   # testing hook: seconds per GiB
 
 _open_pools: "weakref.WeakSet[HostPool]" = weakref.WeakSet()
@@ -372,8 +372,11 @@ class HostPool:
         room = self.limit_bytes - self.reserved_bytes - self._pending
         if short < ALIGN:
             return
-        # A whole chunk (or the largest request, if larger), so every slab fits that request.
-        size = min(max(self.chunk_bytes, self._largest), room) // ALIGN * ALIGN
+        # What is short, rounded up to a power of two, at least MIN_SLAB_BYTES and four of the
+        # largest request seen (tensors grow with the sequence: a slab sized for one of today's
+        # would fit none of a longer step's), at most a chunk unless one request is larger.
+        want = max(_next_pow2(short), MIN_SLAB_BYTES, 4 * self._largest)
+        size = min(max(min(want, self.chunk_bytes), self._largest), room) // ALIGN * ALIGN
         if size < ALIGN:
             return
         self._pending += size
