@@ -3,27 +3,33 @@
 Every offloaded storage needs a host buffer, and on CUDA that buffer must be pinned (page-locked)
 for copies to run asynchronously at full speed. Pinning is slow: the OS has to fault in and lock
 every page, and measured on an H100 host the first step of each new sequence length took seconds
-longer than later ones when buffers were pinned per size. So host memory is kept in an *arena*:
+longer than later ones when buffers were pinned per size. So host memory is kept in an *arena*.
+(Why one file, over 400 lines: the slabs, the acquiring threads, the reserve and the grow-ahead
+thread share one lock and one set of books: bytes held, in use, on their way; split, every
+transition would reach into another module's counters.)
 
 * a few large slabs (pinned on CUDA, plain RAM on the CPU), each sub-allocated for any size by a
   first-fit free list in address order, with neighbours coalesced on release; every buffer starts
   on a 4 KiB boundary (``ALIGN``) and takes a multiple of it, so copies see page-aligned memory;
-* with ``ahead=True`` (the engine's arena) it grows *ahead*, off the step: a background thread (``chameleon-swap-host-grow``) allocates
-  slabs of at most ``chunk_bytes`` (``GROW_CHUNK_BYTES``, 256 MiB, or the largest request seen
-  if larger) whenever the free room falls below ``HEADROOM_FRACTION`` of what is in use (or twice
-  the largest request seen), and at each step's end to ``1 + HEADROOM_FRACTION`` times the most
-  any of the last ``TRIM_WINDOW`` steps used (which the trim then keeps). Measured on an H100 host (issue 19): a step that doubled its arena
-  in one pinned allocation took 8.8-26 s where the plain step took 0.2-0.5 s, and with the memory
-  pinned up front the same steps took 0.4-1.2 s. Growing in bounded chunks also means no single
-  allocation pins tens of GiB at once;
+* with ``ahead=True`` (the engine's arena) it grows *ahead*, off the step: a background thread
+  (``chameleon-swap-host-grow``) allocates slabs of at most ``chunk_bytes`` (``GROW_CHUNK_BYTES``,
+  256 MiB, or the largest request seen if larger; at least four of the largest request, so a
+  slab still fits tensors of a longer step) whenever the free room falls below
+  ``HEADROOM_FRACTION`` (1.0) of what is in use (or twice the largest request seen), and at each
+  step's end up to ``1 + HEADROOM_FRACTION`` times the most any of the last ``TRIM_WINDOW``
+  steps used (which the trim then keeps). Measured on an H100 host (issue 19): a step that
+  doubled its arena in one pinned allocation took 8.8-26 s where the plain step took 0.2-0.5 s,
+  and with the memory pinned up front the same steps took 0.4-1.2 s. Growing in bounded chunks
+  also means no single allocation pins tens of GiB at once;
 * when no free range fits and no background chunk is on its way, the acquiring thread allocates
-  itself (the step waits): a slab of ``max(request, min(next power of two of the arena,
-  chunk_bytes))`` bytes, so a small arena still doubles and a large one grows chunk by chunk.
-  Every second an acquire spends waiting for memory (its own allocation, a background chunk,
-  the ``host_memory_reserve`` slab) is counted in ``wait_seconds`` (``StepStats.
-  host_wait_seconds``); bytes allocated on the acquiring thread, or by a background thread while
-  an acquire waited for them, are ``allocated_bytes`` (``StepStats.host_allocated_bytes``);
-  memory that was ready before anything needed it is ``ahead_bytes`` and belongs to no step;
+  itself (the step waits): a slab of the next power of two of ``max(request, MIN_SLAB_BYTES,
+  arena)`` bytes while that is at most ``chunk_bytes``, else ``max(request, chunk_bytes)``, so a
+  small arena still doubles and a large one grows chunk by chunk. Every second an acquire spends
+  waiting for memory (its own allocation, a background chunk, the ``host_memory_reserve`` slab)
+  is counted in ``wait_seconds`` (``StepStats.host_wait_seconds``); bytes allocated on the
+  acquiring thread, or by a background thread while an acquire waited for them, are
+  ``allocated_bytes`` (``StepStats.host_allocated_bytes``); memory that was ready before anything
+  needed it is ``ahead_bytes`` and belongs to no step;
 * ``host_memory_reserve`` pins one slab up front instead, on a background thread;
 * testing hook: ``alloc_delay_s_per_gib`` (``HostPool`` argument, or the environment variable
   ``CHAMELEON_SWAP_TEST_HOST_ALLOC_DELAY``, seconds per GiB) makes every slab allocation sleep in
@@ -34,7 +40,8 @@ longer than later ones when buffers were pinned per size. So host memory is kept
   limit instead of stalling or crashing;
 * it does not keep memory that recent steps did not need: at each step's end, slabs with no
   buffer in use are handed back as long as the arena stays at least as large as the most host
-  memory in use during any of the last ``TRIM_WINDOW`` (32) steps, and as ``host_memory_reserve``.
+  memory in use during any of the last ``TRIM_WINDOW`` (32) steps (twice that with ``ahead``),
+  and as ``host_memory_reserve``.
   A workload that shrinks for good (a long sequence early, short ones after) gives its memory
   back 32 steps later; one that varies within the window keeps what it needs and pins nothing
   new. ``reserved_bytes`` (``Chameleon.host_bytes_reserved``) is what the arena holds.
