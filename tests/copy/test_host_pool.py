@@ -539,3 +539,22 @@ def test_with_a_slow_allocator_steps_after_the_first_wait_for_nothing_grown_ahea
 
 def randn_rows(n: int, seed: int) -> torch.Tensor:
     return torch.randn(n, 256, generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_reserve_ready_before_it_is_needed_belongs_to_no_step_one_waited_for_does():
+    """Issue 19, item 6: ``host_memory_reserve`` allocated before anything needed it is not in
+    ``allocated_bytes`` (a step's ``host_allocated_bytes``); one an acquire had to wait for
+    (the allocator slowed on purpose) is, with the wait in ``wait_seconds``."""
+    ready = HostPool(64 * MiB, pin=False, reserve_bytes=8 * MiB)
+    assert ready.wait_reserve(timeout=60)
+    b = ready.acquire(MiB)
+    assert ready.allocated_bytes == 0 and ready.wait_seconds == 0
+    assert ready.ahead_bytes == 8 * MiB and ready.allocations == 1
+    ready.release(b)
+    ready.close()
+    slow = HostPool(64 * MiB, pin=False, reserve_bytes=8 * MiB, alloc_delay_s_per_gib=32)
+    b = slow.acquire(MiB)                            # 8 MiB at 32 s/GiB: 250 ms, waited for
+    assert slow.allocated_bytes == 8 * MiB and slow.ahead_bytes == 0
+    assert slow.wait_seconds > 0 and slow.allocations == 1
+    slow.release(b)
+    slow.close()

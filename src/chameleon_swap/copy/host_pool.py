@@ -296,10 +296,10 @@ class HostPool:
             self.wait_reserve()
             with self._lock:
                 self.wait_seconds += time.perf_counter() - t0
-                if late and self._reserve_bytes and not self._closed:
+                if late:
                     # Waited for: the reserve was not ready before the step needed it.
-                    self.ahead_bytes -= self._reserve_bytes
-                    self.allocated_bytes += self._reserve_bytes
+                    for slab in self._slabs[:1]:
+                        self._count_waited_locked(slab)
         n = align_up(nbytes)
         with self._lock:
             if self._closed:
