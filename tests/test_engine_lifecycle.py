@@ -451,9 +451,12 @@ class _Wide(nn.Module):
 def test_five_engines_in_one_process_each_give_their_host_memory_back_on_close():
     """Issue 19, item 2: each engine meets larger sizes than the one before (its arena grows to
     hundreds of MiB, more than 1 GiB over the five); after each ``close()`` (and a collection)
-    the process's RSS, and MemAvailable where /proc/meminfo exists, are back within 1 GiB of
-    what they were before the first engine ran, and the default ``host_memory_limit`` of the
-    next engine is not shrunk by the earlier ones."""
+    the process's RSS is back within 1 GiB of what it was before the first engine ran, and
+    MemAvailable (where /proc/meminfo exists) within 1 GiB of what it was before this engine
+    ran: MemAvailable is the whole machine's, and other processes on a shared test machine move
+    it by gigabytes over a minute, so it is compared over each engine's few seconds while RSS,
+    the process's own, is compared over all five. The default ``host_memory_limit`` of the next
+    engine is not shrunk by the earlier ones."""
     GiB = 2**30
     dim = 256
     model = _Wide(dim, 6)
@@ -462,11 +465,13 @@ def test_five_engines_in_one_process_each_give_their_host_memory_back_on_close()
     # leaves behind belongs to the baseline, not to the engines.
     model(torch.randn(sizes[-1][-1], dim)).backward()
     gc.collect()
-    rss0, avail0 = _rss(), _mem_available()
-    limits, reserved = [], []
+    rss0 = _rss()
+    reserved = []
     for e in range(5):
+        avail_before = _mem_available()
         with cs.Chameleon(0, device="cpu", policy="guard") as eng:
-            limits.append(eng.config.host_memory_limit_bytes)
+            if avail_before is not None:       # half of what is available: nothing held back
+                assert eng.config.host_memory_limit_bytes >= avail_before // 2 - GiB // 4
             for n in sizes[e]:
                 with eng.step():
                     model(torch.randn(n, dim)).backward()
@@ -477,7 +482,5 @@ def test_five_engines_in_one_process_each_give_their_host_memory_back_on_close()
         rss, avail = _rss(), _mem_available()
         assert rss - rss0 < GiB, (e, rss0, rss)
         if avail is not None:
-            assert avail0 - avail < GiB, (e, avail0, avail)
+            assert avail_before - avail < GiB, (e, avail_before, avail)
     assert sum(reserved) > GiB, reserved          # a leak of them all would show
-    if avail0 is not None:
-        assert min(limits) > limits[0] - GiB // 2, limits
