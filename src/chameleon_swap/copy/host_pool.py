@@ -227,7 +227,6 @@ class HostPool:
         self._queued = 0            # size of the chunk handed to the grow thread (0: none)
         self._largest = 0           # largest request seen
         self._grower: Optional[threading.Thread] = None
-        self._wake = threading.Event()
         self.reserved_bytes = 0     # bytes of all slabs held now (buffers in use or free)
         self.in_use_bytes = 0       # capacity of buffers handed out and not yet returned
         self.peak_in_use_bytes = 0
@@ -389,21 +388,19 @@ class HostPool:
         self._pending += size
         self._queued = size
         if self._grower is None:
+            # The thread lives while it has chunks to allocate, so an engine dropped without
+            # close() leaves no thread holding its arena.
             self._grower = threading.Thread(target=self._grow_loop, daemon=True,
                                             name="chameleon-swap-host-grow")
             self._grower.start()
-        self._wake.set()
 
     def _grow_loop(self) -> None:
         while True:
-            self._wake.wait()
             with self._lock:
-                self._wake.clear()
-                if self._closed:
-                    return
                 size = self._queued
-            if not size:
-                continue
+                if self._closed or not size:
+                    self._grower = None
+                    return
             try:
                 slab = self._new_slab(size)
             except BaseException:          # out of memory here: the acquiring thread will try
@@ -416,8 +413,6 @@ class HostPool:
                 elif not self._closed:
                     self._add_locked(slab, ahead=True)
                 self._landed.notify_all()
-                if self._closed:
-                    return
                 self._schedule_locked()
 
     def release(self, buf: HostBuffer) -> None:
@@ -559,9 +554,9 @@ class HostPool:
             self._closed = True
             self._target = 0
             self._landed.notify_all()
-        self._wake.set()
-        if self._grower is not None and self._grower is not threading.current_thread():
-            self._grower.join()                # a chunk being allocated is dropped as it lands
+            grower = self._grower
+        if grower is not None and grower is not threading.current_thread():
+            grower.join()                      # a chunk being allocated is dropped as it lands
         self.clear()
         if self.pin:
             _empty_host_cache()
