@@ -21,12 +21,12 @@ from typing import Iterator, Optional, Union
 import torch
 
 from .runtime import interrupts, module_hooks
-from .config import (DEFAULT_HISTORY_SIZE, DEFAULT_MIN_TENSOR_BYTES, EngineConfig, SizeLike,
-                     format_bytes, trace_dir_path)
+from .config import (DEFAULT_HISTORY_SIZE, DEFAULT_HOST_FRACTION, DEFAULT_MIN_TENSOR_BYTES,
+                     EngineConfig, SizeLike, format_bytes, trace_dir_path)
 from .copy import make_copy_engine
 from .copy.bandwidth import cached_bandwidth, resolve_device
 from .runtime._eager import eager, top_saved_hooks as _top_hooks
-from .copy.host_pool import HostPool
+from .copy.host_pool import HostPool, bytes_held_by_closed_arenas
 from .runtime.executor import Executor
 from .runtime.stats import StepHistory, StepStats, StepTotals
 from .policy import make_policy
@@ -135,6 +135,10 @@ class Chameleon:
         if self.config.device_memory_limit_bytes is not None and self.device.type != "cuda":
             raise ValueError(f"device_memory_limit caps CUDA memory, but this engine's device is "
                              f"{self.device}; use budget= to bound saved activations on the CPU")
+        if host_memory_limit is None:
+            # Half the RAM available, not counting what closed engines' arenas still hold.
+            self.config.host_memory_limit_bytes += int(
+                bytes_held_by_closed_arenas() * DEFAULT_HOST_FRACTION)
         emulated = self.config.emulate_link_bytes_per_s
         if emulated is not None and self.device.type != "cpu":
             raise ValueError(f"emulate_link slows the CPU copy engine's copies, but this engine's "
@@ -143,8 +147,9 @@ class Chameleon:
         self._copy = make_copy_engine(self.device, **({} if emulated is None
                                                       else {"bytes_per_s": emulated}))
         # After the copy engine: on CUDA the context exists before the reserve thread pins.
+        # ahead=True: the arena grows ahead of use on a background thread (issue 19).
         self._pool = HostPool(self.config.host_memory_limit_bytes, pin=self.device.type == "cuda",
-                              reserve_bytes=self.config.host_memory_reserve_bytes)
+                              reserve_bytes=self.config.host_memory_reserve_bytes, ahead=True)
         limit = self.config.device_memory_limit_bytes
         # Nothing can ever move: no budget now or later (a memory limit derives one per step),
         # no blocks to recompute, no trace to time. Such an engine takes the resident-only hooks
@@ -334,6 +339,7 @@ class Chameleon:
                                  else 0)
             self._module_starts = []
             self._host_allocated_at_start = self._pool.allocated_bytes
+            self._host_wait_at_start = self._pool.wait_seconds
             t0 = time.perf_counter()
             failed = oom = False
             self._step_hooks = self._saved_tensor_hooks()

@@ -419,3 +419,142 @@ def test_settle_returns_buffers_no_record_holds_and_rebuilds_free_ranges():
     pool.release(a)
     assert pool.in_use_bytes == 0
     assert pool.free_ranges() == [(0, 0, pool.slab_sizes[0])]
+
+
+# =========================================================================== growing ahead
+def test_the_background_thread_grows_in_bounded_chunks_and_a_ready_slab_costs_no_wait():
+    """Issue 19, item 1: with ``ahead=True`` the arena keeps free room ahead of use, allocated
+    on a background thread in slabs of at most ``chunk_bytes``; an acquire served from them
+    waits for nothing and their bytes belong to no step's ``allocated_bytes``."""
+    pool = HostPool(2**30, pin=False, ahead=True, chunk_bytes=4 * MiB)
+    try:
+        first = pool.acquire(1 * MiB)                     # empty arena: allocated here, waited
+        assert pool.allocated_bytes == MIN_SLAB_BYTES and pool.wait_seconds > 0
+        pool.grow_ahead(64 * MiB)
+        assert pool.wait_ahead(timeout=30)
+        assert 64 * MiB <= pool.reserved_bytes < 68 * MiB       # whole chunks, to the target
+        assert max(pool.slab_sizes[1:]) <= 4 * MiB             # never one huge allocation
+        assert pool.ahead_bytes == pool.reserved_bytes - MIN_SLAB_BYTES
+        waited, allocated = pool.wait_seconds, pool.allocated_bytes
+        held = [pool.acquire(3 * MiB) for _ in range(15)]       # 45 MiB: all from ready chunks
+        assert pool.wait_seconds == waited and pool.allocated_bytes == allocated
+        assert_disjoint(held + [first])
+    finally:
+        pool.close()
+    assert pool.reserved_bytes > 0                   # buffers still out keep their slabs
+    for b in held + [first]:
+        pool.release(b)
+    assert pool.reserved_bytes == 0                  # the last one back frees everything
+
+
+def test_a_slow_allocator_makes_the_wait_measurable_and_it_is_reported(monkeypatch):
+    """The testing hook (``CHAMELEON_SWAP_TEST_HOST_ALLOC_DELAY``, seconds per GiB) sleeps in
+    every slab allocation; an acquire that must allocate waits at least that long, and a chunk
+    it waited for on the background thread counts as allocated in its step."""
+    monkeypatch.setenv(host_pool.ALLOC_DELAY_ENV, "4")           # 4 s per GiB: 16 MiB = 62 ms
+    pool = HostPool(2**30, pin=False, ahead=True, chunk_bytes=16 * MiB)
+    try:
+        assert pool.alloc_delay_s_per_gib == 4
+        a = pool.acquire(16 * MiB)
+        assert pool.wait_seconds >= 4 * 16 / 1024 * 0.99 and pool.allocated_bytes == 16 * MiB
+        # The acquire asked for room ahead; the next one arrives while that chunk is on its
+        # way and waits for it rather than allocating beside it.
+        b = pool.acquire(16 * MiB)
+        assert pool.allocated_bytes == 32 * MiB             # the chunk it waited for
+        assert pool.wait_seconds >= 4 * 32 / 1024 * 0.99
+    finally:
+        pool.close()
+    with pytest.raises(ValueError, match="alloc_delay_s_per_gib"):
+        HostPool(2**20, pin=False, alloc_delay_s_per_gib=-1)
+
+
+def test_end_step_keeps_headroom_over_recent_use_and_grows_it_off_the_step():
+    pool = HostPool(2**30, pin=False, ahead=True, chunk_bytes=4 * MiB)   # one buffer a slab
+    try:
+        held = [pool.acquire(4 * MiB) for _ in range(8)]       # 32 MiB in use
+        for b in held:
+            pool.release(b)
+        pool.end_step()
+        assert pool.wait_ahead(timeout=30)
+        assert pool.reserved_bytes >= 48 * MiB                  # 1.5x what the step used
+        allocated, waited = pool.allocated_bytes, pool.wait_seconds
+        held = [pool.acquire(4 * MiB) for _ in range(11)]      # a larger step: 44 MiB
+        assert pool.allocated_bytes == allocated and pool.wait_seconds == waited
+        for b in held:
+            pool.release(b)
+        for _ in range(3):                                      # steady: nothing comes and goes
+            pool.end_step()
+            pool.wait_ahead(timeout=30)
+            n = pool.allocations
+            held = [pool.acquire(4 * MiB) for _ in range(11)]
+            for b in held:
+                pool.release(b)
+            assert pool.allocations == n
+    finally:
+        pool.close()
+
+
+class _Wide(torch.nn.Module):
+    """Elementwise layers over rows of 256: a MiB-sized tensor per layer and row count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.ParameterList(torch.nn.Parameter(torch.full((256,), 1.0 + i / 10))
+                                        for i in range(6))
+
+    def forward(self, x):
+        for w in self.w:
+            x = torch.tanh(x * w)
+        return x.sum()
+
+
+def test_with_a_slow_allocator_steps_after_the_first_wait_for_nothing_grown_ahead(monkeypatch):
+    """Issue 19, item 1, through the engine, on a schedule that grows and shrinks (each new
+    size at most twice the most recent use). With the allocator slowed on purpose the first
+    step waits (and says so in ``host_wait_seconds``); once the background thread has grown the
+    arena ahead (``wait_ahead``: what the time between steps gives it), no later step allocates
+    on its own thread or waits; every loss and gradient is bitwise the plain run's."""
+    monkeypatch.setenv(host_pool.ALLOC_DELAY_ENV, "2")         # 2 s per GiB
+    model = _Wide()
+    rows = [1024, 1536, 2048, 3072, 1024, 2048, 3072]
+    batches = [randn_rows(n, seed=i) for i, n in enumerate(rows)]
+    ref, test = copy.deepcopy(model), copy.deepcopy(model)
+    with cs.Chameleon(0, device="cpu", policy="guard") as eng:
+        assert eng._pool.alloc_delay_s_per_gib == 2
+        for i, b in enumerate(batches):
+            ref.zero_grad(set_to_none=True)
+            test.zero_grad(set_to_none=True)
+            loss_ref = train_step(ref, b)
+            loss = train_step(test, b, eng)
+            assert_bitwise(loss_ref, grads(ref), loss, grads(test))
+            s = eng.last_step
+            assert s.offloaded_tensors > 0
+            if i == 0:
+                assert s.host_allocated_bytes > 0 and s.host_wait_seconds > 0
+            else:
+                assert s.host_allocated_bytes == 0 and s.host_wait_seconds == 0, (i, s)
+            assert eng._pool.wait_ahead(timeout=60)
+        assert eng.totals.host_wait_seconds == eng.history[0].host_wait_seconds
+
+
+def randn_rows(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, 256, generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_reserve_ready_before_it_is_needed_belongs_to_no_step_one_waited_for_does():
+    """Issue 19, item 6: ``host_memory_reserve`` allocated before anything needed it is not in
+    ``allocated_bytes`` (a step's ``host_allocated_bytes``); one an acquire had to wait for
+    (the allocator slowed on purpose) is, with the wait in ``wait_seconds``."""
+    ready = HostPool(64 * MiB, pin=False, reserve_bytes=8 * MiB)
+    assert ready.wait_reserve(timeout=60)
+    b = ready.acquire(MiB)
+    assert ready.allocated_bytes == 0 and ready.wait_seconds == 0
+    assert ready.ahead_bytes == 8 * MiB and ready.allocations == 1
+    ready.release(b)
+    ready.close()
+    slow = HostPool(64 * MiB, pin=False, reserve_bytes=8 * MiB, alloc_delay_s_per_gib=32)
+    b = slow.acquire(MiB)                            # 8 MiB at 32 s/GiB: 250 ms, waited for
+    assert slow.allocated_bytes == 8 * MiB and slow.ahead_bytes == 0
+    assert slow.wait_seconds > 0 and slow.allocations == 1
+    slow.release(b)
+    slow.close()

@@ -72,3 +72,97 @@ def test_a_handle_freed_on_another_thread_never_waits_for_the_lock():
             dropper.join()
             assert not stuck, "a handle freed on another thread waited for the executor's lock"
         assert eng.resident_bytes == 0 and eng.records_alive == 0 and eng.host_bytes_in_use == 0
+
+
+class _StreamLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """A CPU stand-in for the CUDA sanitizer's view of the compute stream: every op run on it is
+    logged with the data pointers it writes. The classification follows the rule torch 2.13's
+    ``torch/cuda/_sanitizer.py`` applies (facts, not its code): an argument whose schema alias is
+    marked ``!`` is written; an output is written unless it is a view (aliased, not ``!``) or the
+    op is a factory; views read nothing."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        schema = func._schema
+        factory = schema.name.split("::")[-1].startswith(("empty", "zeros", "ones", "full",
+                                                          "rand", "arange"))
+        written = []
+        flat = dict(zip((a.name for a in schema.arguments), args), **kwargs)
+        for a in schema.arguments:
+            v = flat.get(a.name)
+            if isinstance(v, torch.Tensor) and a.alias_info is not None and a.alias_info.is_write:
+                written.append(v)
+        for r, v in zip(schema.returns, out if isinstance(out, tuple) else (out,)):
+            view = r.alias_info is not None and not r.alias_info.is_write
+            if isinstance(v, torch.Tensor) and not (factory or view):
+                written.append(v)
+        for v in written:
+            if v.untyped_storage().nbytes():
+                self.log.append(("write", v.untyped_storage().data_ptr(), str(func)))
+        return out
+
+
+def test_the_copy_out_waits_on_an_event_recorded_after_every_write_to_its_source():
+    """Issue 19, item 4. The CUDA sanitizer reported a race: the offload built its byte view of
+    the saved storage with ``set_`` (a write, to the sanitizer) on the compute stream *after* the
+    ready event the copy stream waits on was recorded at save time, so the copy's read was not
+    ordered after that write. Here the compute stream is logged as the sanitizer sees it: writes
+    to each storage, the ready events recorded on it, and the copies with the event each waits
+    on. Every write to a copied storage must come before the event its copy waits on."""
+    from chameleon_swap.runtime.records import Handle
+
+    class FakeEvent:
+        pass
+
+    log = []
+    copy = make_copy_engine(torch.device("cpu"))
+    real_offload = copy.offload
+
+    def record_ready():
+        ev = FakeEvent()
+        log.append(("record", ev))
+        return ev
+
+    def offload(src, dst, ready):
+        log.append(("copy", src.untyped_storage().data_ptr(), ready))
+        return real_offload(src, dst, None)
+
+    copy.record_ready, copy.offload = record_ready, offload
+    ex = Executor(torch.device("cpu"), copy, HostPool(2**20, pin=False), min_tensor_bytes=0)
+
+    class NoPolicy:
+        def make_room(self, rec): pass
+        def after_save(self, rec): pass
+
+    class NoProfiler:
+        def on_save(self, t, new, nbytes=0): return None
+
+    ex.policy, ex.profiler = NoPolicy(), NoProfiler()
+    try:
+        ex.begin_step(1 << 30)
+        saved = []
+        with _StreamLog(log):
+            for dtype in (torch.float32, torch.int64, torch.bool, torch.uint8):
+                t = torch.ones(3, 5, dtype=dtype)          # produced: written before the save
+                t2 = t.t()                                   # a view of it, saved as well
+                saved += [t, ex.pack(t), ex.pack(t2)]
+            for h in saved[1::3]:
+                ex.offload(h.rec)
+        ex.end_step(False)
+        for t, h, _ in zip(saved[0::3], saved[1::3], saved[2::3]):
+            assert isinstance(h, Handle)
+            assert torch.equal(h.rec.host.view(t.nbytes).view(t.dtype).view(3, 5), t)
+    finally:
+        copy.close()
+    copies = [(i, e) for i, e in enumerate(log) if e[0] == "copy"]
+    assert len(copies) == 4
+    for at, (_, ptr, ready) in copies:
+        recorded = [i for i, e in enumerate(log) if e[0] == "record" and e[1] is ready]
+        assert len(recorded) == 1, "the copy waits on no event recorded on the compute stream"
+        late = [e for e in log[recorded[0]:at] if e[0] == "write" and e[1] == ptr]
+        assert not late, f"written on the compute stream after the copy's ready event: {late}"

@@ -3,21 +3,45 @@
 Every offloaded storage needs a host buffer, and on CUDA that buffer must be pinned (page-locked)
 for copies to run asynchronously at full speed. Pinning is slow: the OS has to fault in and lock
 every page, and measured on an H100 host the first step of each new sequence length took seconds
-longer than later ones when buffers were pinned per size. So host memory is kept in an *arena*:
+longer than later ones when buffers were pinned per size. So host memory is kept in an *arena*.
+(Why one file, over 400 lines: the slabs, the acquiring threads, the reserve and the grow-ahead
+thread share one lock and one set of books: bytes held, in use, on their way; split, every
+transition would reach into another module's counters.)
 
 * a few large slabs (pinned on CUDA, plain RAM on the CPU), each sub-allocated for any size by a
   first-fit free list in address order, with neighbours coalesced on release; every buffer starts
   on a 4 KiB boundary (``ALIGN``) and takes a multiple of it, so copies see page-aligned memory;
-* when no free range fits, the arena grows by one new slab of ``max(request, MIN_SLAB_BYTES,
-  reserved)`` bytes, so its size at least doubles and a workload whose shapes keep changing pins
-  memory only O(log(size)) times over the engine's life; ``host_memory_reserve`` pins one slab
-  up front instead, on a background thread;
+* with ``ahead=True`` (the engine's arena) it grows *ahead*, off the step: a background thread
+  (``chameleon-swap-host-grow``) allocates slabs of at most ``chunk_bytes`` (``GROW_CHUNK_BYTES``,
+  256 MiB, or the largest request seen if larger; at least four of the largest request, so a
+  slab still fits tensors of a longer step) whenever the free room falls below
+  ``HEADROOM_FRACTION`` (1.0) of what is in use (or twice the largest request seen), and at each
+  step's end up to ``1 + HEADROOM_FRACTION`` times the most any of the last ``TRIM_WINDOW``
+  steps used (which the trim then keeps). Measured on an H100 host (issue 19): a step that
+  doubled its arena in one pinned allocation took 8.8-26 s where the plain step took 0.2-0.5 s,
+  and with the memory pinned up front the same steps took 0.4-1.2 s. Growing in bounded chunks
+  also means no single allocation pins tens of GiB at once;
+* when no free range fits and no background chunk is on its way, the acquiring thread allocates
+  itself (the step waits): a slab of the next power of two of ``max(request, MIN_SLAB_BYTES,
+  arena)`` bytes while that is at most ``chunk_bytes``, else ``max(request, chunk_bytes)``, so a
+  small arena still doubles and a large one grows chunk by chunk. Every second an acquire spends
+  waiting for memory (its own allocation, a background chunk, the ``host_memory_reserve`` slab)
+  is counted in ``wait_seconds`` (``StepStats.host_wait_seconds``); bytes allocated on the
+  acquiring thread, or by a background thread while an acquire waited for them, are
+  ``allocated_bytes`` (``StepStats.host_allocated_bytes``); memory that was ready before anything
+  needed it is ``ahead_bytes`` and belongs to no step;
+* ``host_memory_reserve`` pins one slab up front instead, on a background thread;
+* testing hook: ``alloc_delay_s_per_gib`` (``HostPool`` argument, or the environment variable
+  ``CHAMELEON_SWAP_TEST_HOST_ALLOC_DELAY``, seconds per GiB) makes every slab allocation sleep in
+  proportion to its size, so that on the CPU, where allocating is fast, the waits and the
+  background growth can be measured as they would be with pinning on CUDA;
 * it never holds more than ``limit_bytes`` (``host_memory_limit``). A request that cannot fit,
   even after handing back slabs that are wholly free, raises :class:`HostMemoryError` naming the
   limit instead of stalling or crashing;
 * it does not keep memory that recent steps did not need: at each step's end, slabs with no
   buffer in use are handed back as long as the arena stays at least as large as the most host
-  memory in use during any of the last ``TRIM_WINDOW`` (32) steps, and as ``host_memory_reserve``.
+  memory in use during any of the last ``TRIM_WINDOW`` (32) steps (twice that with ``ahead``),
+  and as ``host_memory_reserve``.
   A workload that shrinks for good (a long sequence early, short ones after) gives its memory
   back 32 steps later; one that varies within the window keeps what it needs and pins nothing
   new. ``reserved_bytes`` (``Chameleon.host_bytes_reserved``) is what the arena holds.
@@ -41,7 +65,10 @@ from __future__ import annotations
 
 import bisect
 import collections
+import os
 import threading
+import time
+import weakref
 from typing import Optional
 
 import torch
@@ -51,6 +78,19 @@ from ..config import format_bytes
 ALIGN = 4096                 # page size: every buffer starts on and spans whole pages
 MIN_SLAB_BYTES = 2**21       # the first slab: small arenas would otherwise grow in many steps
 TRIM_WINDOW = 32             # steps whose host use bounds the arena (see HostPool.end_step)
+GROW_CHUNK_BYTES = 2**28     # most one slab allocation takes (unless one request needs more)
+HEADROOM_FRACTION = 1.0      # free room kept ahead of use, as a fraction of the bytes in use
+ALLOC_DELAY_ENV = "CHAMELEON_SWAP_TEST_HOST_ALLOC_DELAY"   # testing hook: seconds per GiB
+
+_open_pools: "weakref.WeakSet[HostPool]" = weakref.WeakSet()
+
+
+def bytes_held_by_closed_arenas() -> int:
+    """Host bytes that arenas of closed engines still hold in this process (slabs whose last
+    buffer has not come back yet). Normally 0: ``close()`` hands everything back. The default
+    ``host_memory_limit`` adds it to the RAM available, so an engine's earlier allocations do
+    not shrink the next engine's default."""
+    return sum(p.reserved_bytes for p in list(_open_pools) if p._closed)
 
 _allocating = threading.local()
 
@@ -79,7 +119,7 @@ class _Slab:
     """One host allocation and its free ranges: ``_free`` maps start -> length, ``_starts`` keeps
     the starts sorted for first-fit search and for finding a released range's neighbours."""
 
-    __slots__ = ("tensor", "size", "_starts", "_free", "free_bytes")
+    __slots__ = ("tensor", "size", "_starts", "_free", "free_bytes", "ahead")
 
     def __init__(self, size: int, pin: bool) -> None:
         raw = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
@@ -94,6 +134,7 @@ class _Slab:
         self._starts = [0]
         self._free = {0: size}
         self.free_bytes = size
+        self.ahead = False      # allocated off the step, not yet waited for by any acquire
 
     def take(self, n: int) -> Optional[int]:
         """Offset of a free range of ``n`` bytes (the lowest that fits), or None."""
@@ -154,9 +195,21 @@ class HostPool:
     slab beside it, which could break the limit); ``wait_reserve()`` does the same explicitly.
     """
 
-    def __init__(self, limit_bytes: int, *, pin: bool, reserve_bytes: int = 0) -> None:
+    def __init__(self, limit_bytes: int, *, pin: bool, reserve_bytes: int = 0,
+                 chunk_bytes: int = GROW_CHUNK_BYTES, ahead: bool = False,
+                 alloc_delay_s_per_gib: Optional[float] = None) -> None:
         self.limit_bytes = int(limit_bytes)
         self.pin = pin
+        if chunk_bytes < ALIGN:
+            raise ValueError(f"chunk_bytes must be at least {ALIGN} (one page); got {chunk_bytes}")
+        self.chunk_bytes = align_up(chunk_bytes)
+        self.ahead = ahead          # keep free room ahead of use, grown on a background thread
+        if alloc_delay_s_per_gib is None:
+            alloc_delay_s_per_gib = float(os.environ.get(ALLOC_DELAY_ENV, "0") or 0)
+        if not alloc_delay_s_per_gib >= 0:
+            raise ValueError(f"alloc_delay_s_per_gib must be >= 0 seconds per GiB; "
+                             f"got {alloc_delay_s_per_gib!r}")
+        self.alloc_delay_s_per_gib = alloc_delay_s_per_gib
         if reserve_bytes > self.limit_bytes:
             raise ValueError(f"host_memory_reserve={format_bytes(reserve_bytes)} is more than "
                              f"host_memory_limit={format_bytes(self.limit_bytes)}")
@@ -165,7 +218,15 @@ class HostPool:
         self._step_peak = 0                    # most bytes in use since the last end_step
         self._recent: collections.deque = collections.deque(maxlen=TRIM_WINDOW)
         self._lock = threading.Lock()
+        self._landed = threading.Condition(self._lock)   # a background slab was added
         self._closed = False
+        self.wait_seconds = 0.0     # time acquires spent waiting for host memory (all steps)
+        self.ahead_bytes = 0        # bytes allocated off the step before anything needed them
+        self._pending = 0           # bytes the grow thread is allocating now
+        self._target = 0            # arena size the grow thread works towards
+        self._queued = 0            # size of the chunk handed to the grow thread (0: none)
+        self._largest = 0           # largest request seen
+        self._grower: Optional[threading.Thread] = None
         self.reserved_bytes = 0     # bytes of all slabs held now (buffers in use or free)
         self.in_use_bytes = 0       # capacity of buffers handed out and not yet returned
         self.peak_in_use_bytes = 0
@@ -182,6 +243,7 @@ class HostPool:
             self._reserver.start()
         else:
             self._reserved.set()
+        _open_pools.add(self)
 
     # ------------------------------------------------------------------ state
     @property
@@ -208,7 +270,7 @@ class HostPool:
         else:
             with self._lock:
                 if not self._closed:
-                    self._add_locked(slab)
+                    self._add_locked(slab, ahead=True)
         finally:
             self._reserved.set()
 
@@ -228,21 +290,130 @@ class HostPool:
     # ------------------------------------------------------------------ acquire / release
     def acquire(self, nbytes: int) -> HostBuffer:
         if not self._reserved.is_set() or self._reserve_error is not None:
+            t0 = time.perf_counter()
+            late = not self._reserved.is_set()
             self.wait_reserve()
+            with self._lock:
+                self.wait_seconds += time.perf_counter() - t0
+                if late:
+                    # Waited for: the reserve was not ready before the step needed it.
+                    for slab in self._slabs[:1]:
+                        self._count_waited_locked(slab)
         n = align_up(nbytes)
         with self._lock:
             if self._closed:
                 raise RuntimeError("this host arena is closed (its engine was closed)")
+            self._largest = max(self._largest, n)
             buf = self._take_locked(n)
             if buf is None:
-                self._grow_locked(n)
-                buf = self._take_locked(n)
-                assert buf is not None, "a new slab always fits its request"
+                t0 = time.perf_counter()
+                while buf is None and self._pending:
+                    # A background chunk is on its way: wait for it rather than allocate a
+                    # second slab beside it (which could break the limit).
+                    self._landed.wait()
+                    if self._closed:
+                        raise RuntimeError("this host arena is closed (its engine was closed)")
+                    buf = self._take_locked(n)
+                    if buf is not None:
+                        self._count_waited_locked(buf.slab)
+                if buf is None:
+                    self._grow_locked(n)
+                    buf = self._take_locked(n)
+                    assert buf is not None, "a new slab always fits its request"
+                self.wait_seconds += time.perf_counter() - t0
             self.in_use_bytes += n
             self._out.add(buf)
             self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
             self._step_peak = max(self._step_peak, self.in_use_bytes)
+            if self.ahead:
+                self._keep_ahead_locked()
             return buf
+
+    def _count_waited_locked(self, slab: "_Slab") -> None:
+        """A background slab an acquire had to wait for was on the step's critical path."""
+        if getattr(slab, "ahead", False):
+            slab.ahead = False
+            self.ahead_bytes -= slab.size
+            self.allocated_bytes += slab.size
+
+    # ------------------------------------------------------------------ grow ahead
+    def grow_ahead(self, target_bytes: int) -> None:
+        """Have the background thread grow the arena to ``target_bytes`` (within the limit), in
+        slabs of at most ``chunk_bytes``; returns at once."""
+        with self._lock:
+            self._ask_locked(target_bytes)
+
+    def wait_ahead(self, timeout: Optional[float] = None) -> bool:
+        """Block until the background thread has nothing left to allocate (True), or
+        ``timeout`` seconds passed (False). For tests and benchmarks: steps never call it."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._pending:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._landed.wait(0.05 if left is None else min(left, 0.05))
+            return True
+
+    def _keep_ahead_locked(self) -> None:
+        room = self.cached_bytes + self._pending
+        want = max(int(self.in_use_bytes * HEADROOM_FRACTION), 2 * self._largest)
+        if room < want:
+            self._ask_locked(self.reserved_bytes + self._pending + want - room)
+
+    def _ask_locked(self, target_bytes: int) -> None:
+        if self._closed:
+            return
+        target = min(int(target_bytes), self.limit_bytes) // ALIGN * ALIGN
+        self._target = target           # the latest ask: the step's end lowers it again
+        self._schedule_locked()
+
+    def _schedule_locked(self) -> None:
+        """Hand the background thread its next chunk, if the arena is short of its target. The
+        chunk counts in ``_pending`` from here on, so an acquire that finds no room knows a slab
+        is on its way and waits for it instead of allocating one beside it."""
+        if self._closed or self._queued:
+            return
+        short = self._target - self.reserved_bytes - self._pending
+        room = self.limit_bytes - self.reserved_bytes - self._pending
+        if short < ALIGN:
+            return
+        # What is short, rounded up to a power of two, at least MIN_SLAB_BYTES and four of the
+        # largest request seen (tensors grow with the sequence: a slab sized for one of today's
+        # would fit none of a longer step's), at most a chunk unless one request is larger.
+        want = max(_next_pow2(short), MIN_SLAB_BYTES, 4 * self._largest)
+        size = min(max(min(want, self.chunk_bytes), self._largest), room) // ALIGN * ALIGN
+        if size < ALIGN:
+            return
+        self._pending += size
+        self._queued = size
+        if self._grower is None:
+            # The thread lives while it has chunks to allocate, so an engine dropped without
+            # close() leaves no thread holding its arena.
+            self._grower = threading.Thread(target=self._grow_loop, daemon=True,
+                                            name="chameleon-swap-host-grow")
+            self._grower.start()
+
+    def _grow_loop(self) -> None:
+        while True:
+            with self._lock:
+                size = self._queued
+                if self._closed or not size:
+                    self._grower = None
+                    return
+            try:
+                slab = self._new_slab(size)
+            except BaseException:          # out of memory here: the acquiring thread will try
+                slab = None                # (and report a clear error if it cannot either)
+            with self._lock:
+                self._pending -= size
+                self._queued = 0
+                if slab is None:
+                    self._target = self.reserved_bytes    # stop growing ahead
+                elif not self._closed:
+                    self._add_locked(slab, ahead=True)
+                self._landed.notify_all()
+                self._schedule_locked()
 
     def release(self, buf: HostBuffer) -> None:
         with self._lock:
@@ -270,10 +441,14 @@ class HostPool:
                 f"already hold offloaded activations and {format_bytes(n)} more are needed, over "
                 f"host_memory_limit={format_bytes(self.limit_bytes)}. Raise host_memory_limit, "
                 f"raise the device budget, or shrink the step.")
+        # Doubling while the arena is small, then a chunk at a time (or the request, if larger).
         want = _next_pow2(max(n, MIN_SLAB_BYTES, self.reserved_bytes))
+        if want > self.chunk_bytes:
+            want = max(n, self.chunk_bytes)
         if self.reserved_bytes + n > self.limit_bytes or \
                 self.reserved_bytes + want > self.limit_bytes:
             # Slabs with nothing in use go back first: one new slab can then take their room.
+            # (Acquire waited for every background chunk first: none is on its way.)
             for slab in [s for s in self._slabs if s.free_bytes == s.size]:
                 self._drop_locked(slab)
         room = (self.limit_bytes - self.reserved_bytes) // ALIGN * ALIGN
@@ -290,15 +465,21 @@ class HostPool:
     def _new_slab(self, size: int) -> _Slab:
         _allocating.on = True
         try:
+            if self.alloc_delay_s_per_gib:
+                time.sleep(self.alloc_delay_s_per_gib * size / 2**30)   # testing hook
             return _Slab(size, self.pin)
         finally:
             _allocating.on = False
 
-    def _add_locked(self, slab: _Slab) -> None:
+    def _add_locked(self, slab: _Slab, ahead: bool = False) -> None:
         self._slabs.append(slab)
         self.reserved_bytes += slab.size
         self.allocations += 1
-        self.allocated_bytes += slab.size
+        slab.ahead = ahead
+        if ahead:
+            self.ahead_bytes += slab.size
+        else:
+            self.allocated_bytes += slab.size
 
     def _drop_locked(self, slab: _Slab) -> None:
         self._slabs.remove(slab)
@@ -312,13 +493,20 @@ class HostPool:
         with self._lock:
             self._recent.append(self._step_peak)
             self._step_peak = self.in_use_bytes
-            keep = max(max(self._recent), self._reserve_bytes)
+            recent = max(self._recent)
+            if self.ahead:
+                # Room for the next step to be larger than any recent one, grown now, off the
+                # step; kept by the trim below, so it is not pinned again every step.
+                recent = min(int(recent * (1 + HEADROOM_FRACTION)), self.limit_bytes)
+            keep = max(recent, self._reserve_bytes)
             dropped = False
             for slab in sorted((s for s in self._slabs if s.free_bytes == s.size),
                                key=lambda s: -s.size):
                 if self.reserved_bytes - slab.size >= keep:
                     self._drop_locked(slab)
                     dropped = True
+            if self.ahead:
+                self._ask_locked(keep)
         if dropped and self.pin:
             _empty_host_cache()   # torch caches freed pinned blocks: give the pages back
 
@@ -364,6 +552,11 @@ class HostPool:
         so the pages are unlocked and go back to the OS."""
         with self._lock:
             self._closed = True
+            self._target = 0
+            self._landed.notify_all()
+            grower = self._grower
+        if grower is not None and grower is not threading.current_thread():
+            grower.join()                      # a chunk being allocated is dropped as it lands
         self.clear()
         if self.pin:
             _empty_host_cache()

@@ -228,10 +228,14 @@ class WeightOffload:
             self._step_id += 1
             self._stats = WeightStepStats()
             self.held_bytes = 0
-            ready = self.copy.record_ready()      # after the optimizer's last write
             for b in self._blocks:
                 self._layout(b)
-                b.out = [self.copy.offload(_bytes(s), h, ready) for s, h in zip(b.storages, b.host)]
+                srcs = [_bytes(s) for s in b.storages]
+                # After the optimizer's last write, and after the byte views: ``set_`` counts as
+                # a write to the CUDA sanitizer, so the copy must wait on an event recorded
+                # after it (issue 19).
+                ready = self.copy.record_ready()
+                b.out = [self.copy.offload(src, h, ready) for src, h in zip(srcs, b.host)]
                 b.state, b.used, b.in_forward, b.accumulated = RESIDENT, False, 0, 0
                 # Freezing or unfreezing between steps changes what backward accumulates.
                 b.expected = (len(b.params) if b.hooked and all(p.requires_grad for p in b.params)

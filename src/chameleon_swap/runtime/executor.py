@@ -287,11 +287,17 @@ class Executor:
         """The record's whole device storage as one flat uint8 tensor, built at its first move
         rather than at save: most records never move, and building it costs about as much as
         the rest of a pack. A resident record's storage is held by its live handles."""
-        for ref in rec.handles:
-            h = ref()
-            if h is not None and h.tensor is not None:
-                return torch.empty(0, dtype=torch.uint8, device=h.tensor.device).set_(
-                    h.tensor.untyped_storage())
+        alive = [h.tensor for h in (ref() for ref in rec.handles)
+                 if h is not None and h.tensor is not None]
+        for t in alive:
+            flat = byte_view(t)
+            if flat is not None:
+                return flat
+        if alive:
+            # No view of it can span the storage (see byte_view): ``set_``, which the CUDA
+            # sanitizer counts as a write on the compute stream.
+            return torch.empty(0, dtype=torch.uint8, device=alive[0].device).set_(
+                alive[0].untyped_storage())
         raise RuntimeError(f"chameleon-swap: internal error: resident record {rec.index} has no "
                            "live handle on the device")
 
@@ -505,3 +511,21 @@ class Executor:
         """Bytes of holds not released yet (included in ``resident_bytes``)."""
         with self.lock:
             return sum(self._holds.values())
+
+
+def byte_view(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """``t``'s whole storage as one flat uint8 tensor, made by view ops only (``as_strided``,
+    ``view(dtype)``), or None where no view can span it (a storage whose size is not a whole
+    number of ``t``'s elements, a conjugate or negative view).
+
+    Not ``torch.empty(0).set_(storage)``: ``set_`` marks its output as written, and the CUDA
+    sanitizer (torch.cuda._sanitizer counts an op's output as written unless the schema says it
+    is a view) then saw a write on the compute stream after the ready event that the copy
+    stream waits on, and reported a data race with the copy's read (issue 19: found on an H100
+    on two runs out of two). View ops are metadata only to it: no read, no write."""
+    size = t.untyped_storage().nbytes()
+    item = t.element_size()
+    if size % item or t.is_conj() or t.is_neg():
+        return None
+    flat = t.detach().as_strided((size // item,), (1,), 0)   # no autograd node
+    return flat if t.dtype == torch.uint8 else flat.view(torch.uint8)

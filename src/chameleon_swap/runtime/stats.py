@@ -63,7 +63,14 @@ class StepStats:
     kept_bytes: int = 0                # copied out but needed before that copy completed: the
                                        # device copy was used, nothing had to come back
     host_allocated_bytes: int = 0      # host memory freshly allocated (pinned on CUDA) during the
-                                       # step: new arena slabs; 0 once the arena is warm
+                                       # step: new arena slabs; 0 once the arena is warm. Slabs
+                                       # grown ahead on the background thread (and the
+                                       # host_memory_reserve slab) count only if the step had to
+                                       # wait for them; ready before it needed them, they belong
+                                       # to no step
+    host_wait_seconds: float = 0.0     # time the step waited for host memory: a slab allocated
+                                       # on its own thread, or one on its way from the
+                                       # background thread or host_memory_reserve
     # Recomputation (with model=): blocks run keep, selective or full this step.
     recomputed_bytes: int = 0          # activation bytes not kept because their block recomputes
     recompute_seconds: float = 0.0     # measured forward time repeated in backward
@@ -143,13 +150,14 @@ class StepTotals:
     step_seconds: float = 0.0
     profiler_seconds: float = 0.0
     peak_resident_bytes: int = 0           # the most of any step
+    host_wait_seconds: float = 0.0
 
     def add(self, st) -> None:
         self.steps += 1
         self.failed_steps += bool(st.failed)
         for name in ("saved_bytes", "offloaded_bytes", "prefetched_bytes", "fetched_bytes",
                      "sync_fetches", "forced_offloads", "recomputed_bytes", "stall_seconds",
-                     "step_seconds", "profiler_seconds"):
+                     "step_seconds", "profiler_seconds", "host_wait_seconds"):
             setattr(self, name, getattr(self, name) + getattr(st, name))
         self.peak_resident_bytes = max(self.peak_resident_bytes, st.peak_resident_bytes)
 
