@@ -21,6 +21,7 @@ import datetime
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -37,9 +38,10 @@ def sample(i: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.sum().sin().reshape(1)
 
 
-def make_model() -> torch.nn.Module:
+def make_model(width: int = 16) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(),
+                               torch.nn.Linear(width, 1))
 
 
 def killer(step: int, phase: str):
@@ -69,12 +71,13 @@ def main(argv=None) -> None:
     ap.add_argument("--global-batch", type=int, default=12)
     ap.add_argument("--samples", type=int, default=96)
     ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--width", type=int, default=16, help="hidden width of the small MLP")
     args = ap.parse_args(argv)
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     rank, world = dist.get_rank(), dist.get_world_size()
     attempt = restart_count()
-    model = make_model()
+    model = make_model(args.width)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     ckpts = Checkpoints(args.ckpt)
     data = GlobalBatches(args.samples, args.global_batch, seed=1)
@@ -115,7 +118,7 @@ def main(argv=None) -> None:
         if rank == 0:
             with open(log / "losses.jsonl", "a") as f:
                 f.write(json.dumps({"attempt": attempt, "world": world, "step": step,
-                                    "loss": float(loss).hex()}) + "\n")
+                                    "loss": float(loss).hex(), "time": time.time()}) + "\n")
         if step % args.every == 0:
             msd, osd = get_state_dict(model, opt)
             ckpts.save({"model": msd, "optim": osd, "step": torch.tensor(step)}, step,
