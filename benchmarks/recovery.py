@@ -57,12 +57,13 @@ def measured(steps: int, kill_step: int, width: int) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="cs-recovery-"))
     port, procs = _port(), []
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1",
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
                CS_ELASTIC_KILL=f"{kill_step}:forward:2")
     for a in range(3):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:3",
                "--nproc-per-node", "1", "--max-restarts", "2", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench", "--rdzv-conf",
-               f"is_host={int(a == 0)},last_call_timeout=5,keep_alive_interval=1,"
+               f"is_host={int(a == 0)},last_call_timeout=3,keep_alive_interval=1,"
                f"keep_alive_max_attempt=2,join_timeout=60", "--monitor-interval", "0.2",
                str(ROOT / "examples" / "elastic_train.py"), "--ckpt", str(tmp / "ckpt"),
                "--records", str(tmp / "log"), "--steps", str(steps), "--every", "4",

@@ -1,6 +1,6 @@
 """Train under torchrun with an elastic range of nodes; survive a lost agent.
 
-    torchrun --nnodes 2:3 --nproc-per-node 1 --max-restarts 3 --rdzv-backend c10d \
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 2:3 --nproc-per-node 1 --max-restarts 3 --rdzv-backend c10d \
         --rdzv-endpoint localhost:29400 examples/elastic_train.py --ckpt /tmp/ckpt --records /tmp/log
 
 Every worker starts from the newest complete DCP checkpoint (resharded to the world it finds),
@@ -9,6 +9,10 @@ step alone) and checkpoints every ``--every`` steps. When an agent is lost, torc
 survivors' workers, they re-rendezvous and continue: no sample skipped or repeated, the global
 batch kept. Each rank appends the sample ids of every step to ``--records``/samples.jsonl, rank 0
 the step's loss (as ``float.hex``) to ``--records``/losses.jsonl, with the attempt and world size.
+
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives every rendezvous round a store of its own: with
+the agents' shared store, the restarted workers' gloo mesh was seen to look up a killed worker's
+stale address and fail to connect (torch 2.13, localhost).
 
 Fault injection for the tests: ``CS_ELASTIC_KILL=STEP:PHASE:AGENT`` (PHASE one of forward,
 backward, optimizer, save) kills the process group of the agent whose ``CS_AGENT`` is AGENT, on

@@ -39,9 +39,10 @@ def _torchrun(tmp: Path, agents: int, nnodes: str, kill: str = "", steps: int = 
     waits for all of them."""
     port, procs = _port(), []
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1",
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
                CS_ELASTIC_KILL=kill)
     for a in range(agents):
-        conf = (f"is_host={int(a == 0)},last_call_timeout=5,keep_alive_interval=1,"
+        conf = (f"is_host={int(a == 0)},last_call_timeout=3,keep_alive_interval=1,"
                 f"keep_alive_max_attempt=2,join_timeout=30")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes,
                "--nproc-per-node", "1", "--max-restarts", "2", "--rdzv-backend", "c10d",
