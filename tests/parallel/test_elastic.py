@@ -130,6 +130,7 @@ def test_kill_one_agent_and_recover(tmp_path, first_steps, point):
 
 
 # ------------------------------------------------------------------------------ in one process
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_half_written_checkpoint_is_invisible(tmp_path):
     ck = Checkpoints(tmp_path)
     w = torch.arange(4.0)
