@@ -151,3 +151,29 @@ def test_cli_errors(capsys, extra, msg):
         cli.main(argv)
     assert e.value.code == 2
     assert msg in capsys.readouterr().err
+
+
+def test_cli_hf_shape(capsys):
+    assert cli.main(["recover", "--hf", "llama", "--hardware", "a100-80gb", "--dp", "2", "--pp",
+                     "4", "--fail", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["plans"]["ours"]["feasible"]
+    with pytest.raises(SystemExit):
+        cli.main(["recover", "--hf", "llama", "--model", "llama-7b", "--hardware", "a100-80gb",
+                  "--fail", "1"])
+    assert "one of --model or --hf" in capsys.readouterr().err
+
+
+def test_benchmark_simulated_rows(monkeypatch):
+    import importlib
+    import sys
+    from pathlib import Path
+    bench = Path(__file__).resolve().parents[2] / "benchmarks"
+    monkeypatch.setattr(sys, "path", [str(bench), *sys.path])
+    sys.modules.pop("recovery", None)
+    rows = importlib.import_module("recovery").simulated("a100-80gb", 1000)
+    assert {r["setting"] for r in rows} == {"32 GPUs", "256 GPUs", "1024 GPUs"}
+    for r in rows:
+        assert 0 < r["ours_share"] <= 1 + 1e-9
+        for k in ("ours_vs_rerouting", "ours_vs_reconfiguration"):
+            assert r[k] is None or r[k] >= 1 - 1e-12
