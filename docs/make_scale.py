@@ -303,6 +303,16 @@ def bound_section(hws) -> list[str]:
     return out
 
 
+def recovery_section() -> list[str]:
+    """A pointer to the recovery planner's figures (kept in RECOVERY.md, from
+    benchmarks/recovery.py)."""
+    return ["## Recovery from lost ranks\n",
+            "After ranks are lost, `chameleon-swap recover` simulates rerouting (Recycle-like), "
+            "reconfiguration (Oobleck-like) and ours (either, with the engine's budget re-planned "
+            "per rank) at 32, 256 and 1024 GPUs; method and figures in "
+            "[RECOVERY.md](RECOVERY.md).\n"]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
@@ -384,7 +394,7 @@ def main(argv=None) -> int:
     ]
     doc = (summary + hardware_section(hws) + steps + traced_bytes + calibration_section() + cap
            + cmp_ + cross + bound + real + traced_claims + runtime_claims_section()
-           + pipeline_section())
+           + pipeline_section() + recovery_section())
     (DOCS / out_name).write_text("\n".join(doc))
     log(f"wrote {DOCS / out_name} in {time.time() - t0:.0f} s")
     return 0

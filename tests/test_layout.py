@@ -34,6 +34,7 @@ ALLOWED = {
     # documented public paths kept after the move: re-exports only
     "pipeline": {"parallel"},
     "weights": {"parallel"},
+    "elastic": {"parallel"},
 }
 FOLDERS = ("runtime", "planning", "policy", "recompute", "copy", "parallel", "sim", "bench",
            "workloads", "integrations")

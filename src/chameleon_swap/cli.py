@@ -18,6 +18,7 @@ from chameleon_swap._version import __version__
 from chameleon_swap.config import available_host_memory, format_bytes, parse_size, total_host_memory
 from chameleon_swap.bench import commands as _bench
 from chameleon_swap.sim import commands as _sim
+from chameleon_swap.sim import recovery_cli as _recover
 
 # torch (and everything that imports it) is imported inside the commands that need it: importing
 # it takes seconds, and `--version`, `--help` and usage errors should answer at once.
@@ -139,6 +140,7 @@ COMMANDS: dict[str, tuple[str, Configure, Run]] = {
     "capacity": (_sim.CAPACITY_HELP, _sim.configure_capacity, _sim.run_capacity),
     "compare": (_sim.COMPARE_HELP, _sim.configure_compare, _sim.run_compare),
     "trace": (_sim.TRACE_HELP, _sim.configure_trace, _sim.run_trace),
+    "recover": (_recover.RECOVER_HELP, _recover.configure, _recover.run),
 }
 
 

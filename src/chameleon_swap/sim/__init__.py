@@ -8,6 +8,8 @@
 * ``fake_trace``, ``hf_trace``, ``dit_trace``: a model's own step traced on fake tensors (a
   Hugging Face config, the video DiT), the bytes its code saves instead of a formula;
 * ``gpu_steps``: simulated step times of traced models beside step times measured on a GPU;
+* ``recovery`` (and ``recovery_cli``): after ranks are lost, rerouting, reconfiguration or
+  either with the engine's budget re-planned per rank, chosen over a horizon (``recover``);
 * ``commands`` (and ``hf_commands`` for ``--hf``): what ``chameleon-swap simulate | capacity |
   compare | trace`` run.
 
