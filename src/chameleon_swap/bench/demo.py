@@ -232,7 +232,8 @@ def plot_demo(summary: dict, path: Path) -> Optional[Path]:
                 ax.plot(s["step"], 0, marker="v", color="black", markersize=4)
         ax.set_yticks([])
         ax.set_xlabel("step  (plan source: " + ", ".join(
-            f"{k}={v}" for k, v in {"guard": "red", "planned": "green", "cache": "blue"}.items())
+            f"{k}={v}" for k, v in {"guard": "red", "planned": "green", "cache": "blue",
+                                    "replanned": "orange"}.items())
             + "; v = sequence changed)")
     fig.suptitle(f"chameleon-swap demo on {summary['device_name']}: budget "
                  f"{format_bytes(summary['budget_bytes'])}, "
