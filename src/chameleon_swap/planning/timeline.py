@@ -87,6 +87,9 @@ class Profile:
     # Bytes held during each slot outside the spans, never movable: what selective checkpointing
     # keeps and what a recomputed block re-creates for its backward. Empty: none.
     reserve: tuple[int, ...] = ()
+    # Host time each moved span costs the compute stream (issuing its copies, keeping its books):
+    # half in its save slot, half in its use slot. 0: moves are free of compute.
+    move_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         # Accept lists; keep the dataclass hashable and immutable.
@@ -113,6 +116,18 @@ class Profile:
     @property
     def n_slots(self) -> int:
         return len(self.compute)
+
+    def charged(self, move) -> "Profile":
+        """This profile with ``move_seconds`` of compute added for each span in ``move`` (half
+        at its save, half at its use; all at its save if it is never used)."""
+        c = list(self.compute)
+        half = self.move_seconds / 2
+        for j in move:
+            sp = self.spans[j]
+            c[sp.save] += half
+            c[sp.use if sp.use < len(c) else sp.save] += half
+        return Profile(tuple(c), self.n_forward, self.spans, self.d2h_bytes_per_s,
+                       self.h2d_bytes_per_s, self.reserve)
 
     @cached_property
     def starts(self) -> tuple:
@@ -190,6 +205,8 @@ def simulate(profile: Profile, plan: Plan, budget: Optional[int], *,
 
     O(n log n) in the number of spans plus O(n_slots).
     """
+    if profile.move_seconds and plan.move:
+        profile = profile.charged(plan.move)
     run = Run(profile, plan, budget, curve, trace is not None)
     forward(run)
     back = CopiesBack(run)            # after forward: its forced copies out are copied back too

@@ -70,6 +70,7 @@ class BlockModes:
                                                         # off the budget it plans for)
         self.warned_budgets: set = set()
         self.stale: set = set()                         # keys to plan again (the link changed)
+        self.move_seconds = 0.0                         # host cost of one moved span, learnt
         self.begin_step(None)
 
     # ------------------------------------------------------------------ during the step
@@ -235,7 +236,8 @@ class BlockModes:
         if f != 1.0:
             view = _scaled(view, 1.0, view.input_bytes, seconds=f)
         d2h, h2d = self.bandwidth_fn()
-        prof = replace(view.profile, d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d)
+        prof = replace(view.profile, d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d,
+                       move_seconds=self.move_seconds)
         blocks = [self._with_selective(prof, blk) for blk in view.blocks]
         hp = plan_hybrid(prof, blocks, self.budget - self.margin.get(key, 0))
         modes = dict(zip(view.block_ids, hp.modes))

@@ -31,6 +31,7 @@ from . import checks
 from .checks import PlanChecks, compute_factor, stall_fn
 from ..planning.cache import DEFAULT_PLAN_CACHE_SIZE, PlanCache, PlanEntry, compile_plan
 
+MAX_MOVE_SECONDS = 0.01   # a learnt cost per moved span above this is not believed
 RECENT_STEPS = 4          # an estimated plan used this recently earns a detailed step
 FIT_COVERAGE = 0.9        # share of saved bytes a plan must match to be kept for a new sequence
 
@@ -328,6 +329,14 @@ class ChameleonPolicy:
             pred = hp.predicted
             f = compute_factor(measured, stall, pred.total_seconds * scale,
                                pred.stall_seconds * scale)
+            moves = self.ex.stats.offloaded_tensors
+            if f > 1.0 and moves:
+                # Slower compute on a step that moved: what each move costs the compute thread
+                # (hooks, books, issuing copies), which the model did not count, not the blocks.
+                extra = measured - stall - (pred.total_seconds - pred.stall_seconds) * scale
+                self.modes.move_seconds = min(MAX_MOVE_SECONDS,
+                                              self.modes.move_seconds + max(0.0, extra) / moves)
+                f = 1.0
             missed = self.ex.stats.offloaded_bytes - int(pred.moved_bytes * scale)
             key = self.modes.key
             self.modes.replan(key, f, missed if stall > pred.stall_seconds else 0)
