@@ -10,9 +10,10 @@ generator (``sim.analytic``), which also fills the optional fields recomputation
 (layer) of each tensor and forward segment, and a ``kind`` (``block_input`` survives full
 recomputation, ``attn_core`` is what selective recomputation drops and redoes).
 
-Recorded steps with ``model=`` carry the block structure as measured instead: ``blocks``, one
-object per block call with the range of tensors (and forward segments) saved inside it
-(``first``, ``end``), its forward seconds, its input bytes and, where the block ran selective,
+Recorded steps with ``model=`` (and traced ``--hf`` steps) carry the block structure as measured
+instead: ``blocks``, one object per block call with the range of tensors saved inside it
+(``first``, ``end``; in a recorded step tensor ``i`` is saved at the end of forward segment
+``i``), its forward seconds, its input bytes and, where the block ran selective,
 the bytes selective checkpointing kept and its recompute seconds; ``segment_block`` then names the
 call of each forward segment. ``segment_waits`` holds the seconds per slot spent waiting for
 copies (same length as ``segments`` when recorded; empty when not). Both are optional: traces
@@ -144,9 +145,11 @@ class Step:
                 if not isinstance(b, dict) or not set(BLOCK_KEYS[:4]) <= set(b):
                     raise ValueError(f"{wb} must be an object with {', '.join(BLOCK_KEYS[:4])}; "
                                      f"got {_short(b)}")
-                if not (_int(b["first"]) and _int(b["end"]) and 0 <= b["first"] <= b["end"] <= n_f):
+                n_t = len(self.tensors)
+                if not (_int(b["first"]) and _int(b["end"]) and 0 <= b["first"] <= b["end"] <= n_t):
                     raise ValueError(f"{wb}: first/end must be ints with 0 <= first <= end <= "
-                                     f"{n_f}; got {b['first']!r}, {b['end']!r}")
+                                     f"{n_t} (a range of tensors); got {b['first']!r}, "
+                                     f"{b['end']!r}")
                 if not _int(b["input_bytes"]) or b["input_bytes"] < 0:
                     raise ValueError(f"{wb}.input_bytes must be an int >= 0; "
                                      f"got {b['input_bytes']!r}")

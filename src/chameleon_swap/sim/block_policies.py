@@ -27,7 +27,8 @@ def _recorded_recompute(step: Step, policy: str) -> tuple[float, int]:
     """Recomputation on a recorded step's ``blocks``: each block's tensors are dropped; full
     keeps its input and re-runs its forward; selective also keeps what selective checkpointing
     kept and re-runs its measured recompute time. Where selective was not measured on a block
-    it is counted as full (an upper bound on time, a lower bound on bytes kept)."""
+    it is counted as full (an upper bound on time, a lower bound on bytes kept). Traced ``--hf``
+    steps carry selective's figures for every block (``hf_trace.to_trace``)."""
     full = policy == "full-recompute"
     n_slots, n_f = step.n_slots, step.n_forward
     segments = list(step.segments)
@@ -52,9 +53,11 @@ def _recorded_recompute(step: Step, policy: str) -> tuple[float, int]:
             continue
         first = min(uses)
         segments[first] += redo
-        extra += kept                   # held from the forward until the block's backward
+        # Held from the forward until the block's backward begins; there the recompute (which
+        # reuses what was kept) re-creates every tensor the block saved, counted below.
+        extra += kept
         live[n_f] += kept
-        live[first + 1] -= kept
+        live[first] -= kept
         for j in range(lo, hi):        # recomputed just before the block's backward
             t = step.tensors[j]
             if t.first_used_at < n_slots:
