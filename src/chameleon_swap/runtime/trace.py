@@ -10,6 +10,15 @@ generator (``sim.analytic``), which also fills the optional fields recomputation
 (layer) of each tensor and forward segment, and a ``kind`` (``block_input`` survives full
 recomputation, ``attn_core`` is what selective recomputation drops and redoes).
 
+Recorded steps with ``model=`` (and traced ``--hf`` steps) carry the block structure as measured
+instead: ``blocks``, one object per block call with the range of tensors saved inside it
+(``first``, ``end``; in a recorded step tensor ``i`` is saved at the end of forward segment
+``i``), its forward seconds, its input bytes and, where the block ran selective,
+the bytes selective checkpointing kept and its recompute seconds; ``segment_block`` then names the
+call of each forward segment. ``segment_waits`` holds the seconds per slot spent waiting for
+copies (same length as ``segments`` when recorded; empty when not). Both are optional: traces
+written before them load unchanged (same format version).
+
 Stdlib only, like the timeline: loading a trace never needs torch.
 """
 from __future__ import annotations
@@ -27,6 +36,10 @@ from ..planning.timeline import Profile, Span
 FORMAT = "chameleon-swap-trace"
 VERSION = 1
 SOURCES = ("profiler", "analytic", "traced")
+# One recorded block call: its tensors/forward segments [first, end), then forward seconds (None
+# when not timed), input bytes, and selective's kept bytes and recompute seconds (None: not run).
+BLOCK_KEYS = ("block", "first", "end", "input_bytes", "forward_seconds", "selective_bytes",
+              "selective_seconds")
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,8 @@ class Step:
     segment_block: Optional[list] = None   # per forward segment: its block, or None
     segment_kind: Optional[list] = None    # per forward segment: "attn_core" or ""
     measured: dict = field(default_factory=dict)   # a recorded step's own StepStats figures
+    blocks: Optional[list] = None          # recorded block calls (dicts, see BLOCK_KEYS)
+    segment_waits: list = field(default_factory=list)   # seconds waited per slot (recorded)
 
     def __post_init__(self) -> None:
         self.validate("step")
@@ -116,13 +131,35 @@ class Step:
             if v is not None and (not isinstance(v, (list, tuple)) or len(v) != n_f):
                 raise ValueError(f"{where}.{name} must be null or a list with one entry per "
                                  f"forward segment ({n_f}); got {_short(v)}")
+        w = self.segment_waits
+        if not isinstance(w, (list, tuple)) or (w and len(w) != n_slots) or any(
+                isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)
+                or x < 0 for x in w):
+            raise ValueError(f"{where}.segment_waits must be empty or a list of seconds >= 0, one "
+                             f"per segment ({n_slots}); got {_short(w)}")
+        if self.blocks is not None:
+            if not isinstance(self.blocks, (list, tuple)):
+                raise ValueError(f"{where}.blocks must be null or a list; got {_short(self.blocks)}")
+            for k, b in enumerate(self.blocks):
+                wb = f"{where}.blocks[{k}]"
+                if not isinstance(b, dict) or not set(BLOCK_KEYS[:4]) <= set(b):
+                    raise ValueError(f"{wb} must be an object with {', '.join(BLOCK_KEYS[:4])}; "
+                                     f"got {_short(b)}")
+                n_t = len(self.tensors)
+                if not (_int(b["first"]) and _int(b["end"]) and 0 <= b["first"] <= b["end"] <= n_t):
+                    raise ValueError(f"{wb}: first/end must be ints with 0 <= first <= end <= "
+                                     f"{n_t} (a range of tensors); got {b['first']!r}, "
+                                     f"{b['end']!r}")
+                if not _int(b["input_bytes"]) or b["input_bytes"] < 0:
+                    raise ValueError(f"{wb}.input_bytes must be an int >= 0; "
+                                     f"got {b['input_bytes']!r}")
 
     def to_dict(self) -> dict:
         d: dict[str, Any] = {"n_forward": self.n_forward, "segments": list(self.segments),
                              "tensors": [_tensor_dict(t) for t in self.tensors],
                              "model_state_bytes": self.model_state_bytes}
         for name in ("workspace_bytes", "tokens", "tag", "segment_block", "segment_kind",
-                     "measured"):
+                     "measured", "blocks", "segment_waits"):
             v = getattr(self, name)
             if v:
                 d[name] = list(v) if isinstance(v, tuple) else v
@@ -158,6 +195,8 @@ class Step:
         step.segment_block = d.get("segment_block")
         step.segment_kind = d.get("segment_kind")
         step.measured = dict(d.get("measured") or {})
+        step.blocks = d.get("blocks")
+        step.segment_waits = d.get("segment_waits") or []
         step.validate(where)
         return step
 
@@ -293,15 +332,50 @@ def from_step_profile(profile, *, measured: Optional[dict] = None, meta: Optiona
     tensors = [Tensor(int(b), i, int(u)) for i, (b, u) in
                enumerate(zip(profile.nbytes, profile.use_slot))]
     segments = [float(c) for c in profile.compute]
+    waits = [float(w) for w in (getattr(profile, "waits", None) or [])]
     if n_f == 0:
         # A step that saved nothing (evaluation under no_grad): one segment, no tensors.
         segments = [float(sum(segments)) or float(profile.step_seconds)]
+        waits = [float(sum(waits))] if waits else []
+    if len(waits) != len(segments):
+        waits = []
+    blocks, segment_block = _recorded_blocks(getattr(profile, "blocks", None) or [], n_f,
+                                             segments)
+    if blocks:
+        tensors = [Tensor(t.nbytes, t.saved_at, t.first_used_at, t.movable,
+                          segment_block[t.saved_at]) for t in tensors]
     step = Step(segments=segments, n_forward=n_f, tensors=tensors,
                 model_state_bytes=int(model_state_bytes),
-                tag=str(getattr(profile, "signature", ""))[:16], measured=dict(measured or {}))
+                tag=str(getattr(profile, "signature", ""))[:16], measured=dict(measured or {}),
+                segment_block=segment_block if blocks else None, blocks=blocks or None,
+                segment_waits=waits)
     d2h, h2d = link if link else (None, None)
     return Trace(steps=[step], source="profiler", meta=dict(meta or {}),
                  d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d)
+
+
+def _recorded_blocks(calls, n_f: int, segments: list) -> tuple[list, list]:
+    """The block calls of a step (the recompute runner's ``BlockCall``s, read by attribute) as
+    trace ``blocks``, and each forward segment's call number (None outside any call). Calls that
+    saved nothing through the engine, or nested in another, are left out."""
+    out: list = []
+    segment_block: list = [None] * n_f
+    for c in calls:
+        lo, hi = int(c.first_record), int(c.end_record)
+        if not 0 <= lo < hi <= n_f or any(b is not None for b in segment_block[lo:hi]):
+            continue
+        fwd = getattr(c, "forward_seconds", None)
+        rec = getattr(c, "recompute_seconds", None)
+        sel = getattr(c, "mode", "") == "selective"
+        k = len(out)
+        out.append({"block": int(c.block), "first": lo, "end": hi,
+                    "input_bytes": int(c.input_bytes),
+                    "forward_seconds": float(fwd) if fwd is not None else float(
+                        sum(segments[lo:hi])),
+                    "selective_bytes": int(c.selective_bytes) if sel else None,
+                    "selective_seconds": float(rec) if sel and rec is not None else None})
+        segment_block[lo:hi] = [k] * (hi - lo)
+    return out, segment_block
 
 
 def write_step(trace_dir: Union[str, Path], index: int, profile, **kwargs) -> Path:

@@ -12,13 +12,76 @@ from ..planning.modes import Block, plan_hybrid
 from ..planning.timeline import Plan, Prediction, simulate
 from ..runtime.trace import Step
 
+_NO_BLOCKS = ("{policy} needs a trace with block (layer) structure: this step has no "
+              "'segment_block' (and no 'blocks'). Analytic traces carry it; record one with "
+              "Chameleon(model=..., trace_dir=...) (or `chameleon-swap trace` with a model), "
+              "whose steps carry 'blocks' and 'segment_block'")
+
+
+def _check_blocks(step: Step, policy: str) -> None:
+    if not step.has_blocks:
+        raise ValueError(_NO_BLOCKS.format(policy=policy))
+
+
+def _recorded_recompute(step: Step, policy: str) -> tuple[float, int]:
+    """Recomputation on a recorded step's ``blocks``: each block's tensors are dropped; full
+    keeps its input and re-runs its forward; selective also keeps what selective checkpointing
+    kept and re-runs its measured recompute time. Where selective was not measured on a block
+    it is counted as full (an upper bound on time, a lower bound on bytes kept). Traced ``--hf``
+    steps carry selective's figures for every block (``hf_trace.to_trace``)."""
+    full = policy == "full-recompute"
+    n_slots, n_f = step.n_slots, step.n_forward
+    segments = list(step.segments)
+    live = [0] * (n_slots + 2)
+    in_block = [False] * len(step.tensors)
+    extra = 0
+    for b in step.blocks:
+        lo, hi = b["first"], b["end"]
+        for j in range(lo, hi):
+            in_block[j] = True
+        uses = [step.tensors[j].first_used_at for j in range(lo, hi)
+                if step.tensors[j].first_used_at < n_slots]
+        fwd = b.get("forward_seconds")
+        fwd = float(sum(step.segments[lo:hi])) if fwd is None else float(fwd)
+        kept = b["input_bytes"]
+        redo = fwd
+        if not full and b.get("selective_bytes") is not None:
+            kept += b["selective_bytes"]
+            if b.get("selective_seconds") is not None:
+                redo = float(b["selective_seconds"])
+        if not uses:
+            continue
+        first = min(uses)
+        segments[first] += redo
+        # Held from the forward until the block's backward begins; there the recompute (which
+        # reuses what was kept) re-creates every tensor the block saved, counted below.
+        extra += kept
+        live[n_f] += kept
+        live[first] -= kept
+        for j in range(lo, hi):        # recomputed just before the block's backward
+            t = step.tensors[j]
+            if t.first_used_at < n_slots:
+                live[first] += t.nbytes
+                live[t.first_used_at + 1] -= t.nbytes
+    kept_total = extra
+    for j, t in enumerate(step.tensors):
+        if not in_block[j]:
+            kept_total += t.nbytes
+            live[n_f] += t.nbytes
+            live[min(t.first_used_at, n_slots) + 1] -= t.nbytes
+    peak, level = kept_total, 0
+    for s in range(n_f, n_slots + 1):
+        level += live[s]
+        peak = max(peak, level)
+    return float(sum(segments)), peak
+
 
 # ------------------------------------------------------------------------------- recomputation
 def recompute_step(step: Step, policy: str) -> tuple[float, int]:
     """``full-recompute`` or ``selective-recompute`` on one step: (step seconds, peak bytes)."""
-    if not step.has_blocks:
-        raise ValueError(f"{policy} needs a trace with block (layer) structure: analytic traces "
-                         f"have it, traces recorded by the profiler do not")
+    _check_blocks(step, policy)
+    if step.blocks:
+        return _recorded_recompute(step, policy)
     full = policy == "full-recompute"
     blocks, kinds = step.segment_block, step.segment_kind or [""] * step.n_forward
     if full:
@@ -64,9 +127,16 @@ def recompute_step(step: Step, policy: str) -> tuple[float, int]:
 def hybrid_blocks(step: Step) -> list[Block]:
     """The step's blocks as the hybrid planner sees them: each block's tensors (contiguous in
     save order), its forward time, its input, and selective = re-running its attention core."""
-    if not step.has_blocks:
-        raise ValueError("hybrid needs a trace with block (layer) structure: analytic traces "
-                         "have it, traces recorded by the profiler do not")
+    _check_blocks(step, "hybrid")
+    if step.blocks:
+        out = []
+        for b in step.blocks:
+            fwd = b.get("forward_seconds")
+            fwd = float(sum(step.segments[b["first"]:b["end"]])) if fwd is None else float(fwd)
+            out.append(Block(b["first"], b["end"], fwd, b["input_bytes"],
+                             selective_bytes=b.get("selective_bytes"),
+                             selective_seconds=b.get("selective_seconds")))
+        return out
     ranges: dict = {}
     for j, t in enumerate(step.tensors):
         if t.block is not None:

@@ -33,6 +33,15 @@ from .traced import Recording, SavedTensor
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 _CPU_FLASH = "_scaled_dot_product_flash_attention_for_cpu"
+# The ops whose outputs selective checkpointing keeps: the same names as recompute/selective.py's
+# (sim/ may not import recompute/; a test checks the two agree). Matmuls and attention are kept,
+# norms, activations and elementwise ops are recomputed.
+SELECTIVE_KEEPS = frozenset((
+    "mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "dot", "_scaled_mm", "_int_mm",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
+    "_efficient_attention_forward"))
 
 
 class _Recorder(TorchDispatchMode):
@@ -87,7 +96,11 @@ class _Recorder(TorchDispatchMode):
             return out
         nbytes = sum(t.numel() * t.element_size() for t in flat_in + flat_out)
         low = any(t.dtype in LOW_PRECISION for t in flat_in)
-        self.segments[self._slot()].append((_flops(func, args, kwargs, out), nbytes, low))
+        # The bytes selective checkpointing would keep of this op (recompute/selective.py keeps
+        # the outputs of matmuls and attention, and recomputes everything else).
+        kept = sum(t.numel() * t.element_size() for t in flat_out) if (
+            func._overloadpacket.__name__ in SELECTIVE_KEEPS and not self.backward) else 0
+        self.segments[self._slot()].append((_flops(func, args, kwargs, out), nbytes, low, kept))
         return out
 
     def _track(self, t: torch.Tensor) -> None:

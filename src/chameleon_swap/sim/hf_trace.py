@@ -146,8 +146,10 @@ def to_trace(rec: Recording, hw: Hardware, optimizer: str = "adamw", name: str =
     # zero FLOPs anyway (they are timed by their bytes).
     full = (hw.flops("fp32") if "fp32" in hw.peak_flops
             else min(hw.flops(d) for d in hw.peak_flops))
-    segments = [sum(max(f / (low if lp else full), b / mem) for f, b, lp in seg)
-                for seg in rec.segment_ops]
+    def seconds(op) -> float:
+        return max(op[0] / (low if op[2] else full), op[1] / mem)
+
+    segments = [sum(seconds(op) for op in seg) for seg in rec.segment_ops]
     prefix, x = rec.extra.get("block_prefix"), rec.extra
     from .traced import _block_of
     blocks = [_block_of(m, prefix) if prefix else None for m in rec.segment_module]
@@ -162,12 +164,13 @@ def to_trace(rec: Recording, hw: Hardware, optimizer: str = "adamw", name: str =
             # (batch, heads, seq, seq): a score or probability matrix of eager attention
             kind = kinds[t.saved_at] = "attn_core"
         tensors.append(Tensor(t.nbytes, t.saved_at, t.first_used_at, True, b, kind))
+    block_list = _selective_blocks(rec, tensors, blocks, segments, seconds)
     states = rec.param_bytes + rec.grad_bytes + OPTIMIZERS[optimizer] * rec.param_bytes // dp_shard
     tokens = x.get("seq", 0) * x.get("micro_batch", 0)
     step = Step(segments=segments, n_forward=rec.n_forward, tensors=tensors,
                 model_state_bytes=states, workspace_bytes=rec.transient_bytes, tokens=tokens,
                 tag=f"{name} seq={seq} mb={x.get('micro_batch')} traced",
-                segment_block=blocks[:rec.n_forward], segment_kind=kinds)
+                segment_block=blocks[:rec.n_forward], segment_kind=kinds, blocks=block_list)
     meta = {"model": name, "hardware": hw.name, "optimizer": optimizer, "dp_shard": dp_shard,
             "params": rec.param_bytes // 4,                # weights are built in fp32
             "traced_layers": x.get("traced_layers", x.get("layers")), "layers": x.get("layers"),
@@ -175,6 +178,34 @@ def to_trace(rec: Recording, hw: Hardware, optimizer: str = "adamw", name: str =
                 "seq", "micro_batch", "dtype", "attn", "model_type")}}
     return Trace(steps=[step], source="traced", meta=meta, d2h_bytes_per_s=hw.d2h,
                  h2d_bytes_per_s=hw.h2d)
+
+
+def _selective_blocks(rec: Recording, tensors: list, blocks: list, segments: list,
+                      seconds) -> Optional[list]:
+    """Each block as selective checkpointing (recompute/selective.py) runs it: it keeps the block
+    input and the outputs of matmuls and attention, and before the block's backward re-runs its
+    other forward ops (norms, activations, elementwise). None when the recording's ops do not say
+    what selective keeps (recorded before they did) or a block's tensors are not contiguous."""
+    if not all(len(op) >= 4 for seg in rec.segment_ops[:rec.n_forward] for op in seg):
+        return None
+    ranges: dict = {}
+    for j, t in enumerate(tensors):
+        if t.block is not None:
+            lo, hi = ranges.get(t.block, (j, j))
+            ranges[t.block] = (min(lo, j), max(hi, j))
+    out = []
+    for blk, (lo, hi) in sorted(ranges.items(), key=lambda kv: kv[1]):
+        if any(t.block != blk for t in tensors[lo:hi + 1]):
+            return None
+        segs = [i for i in range(rec.n_forward) if blocks[i] == blk]
+        ops = [op for i in segs for op in rec.segment_ops[i]]
+        out.append({"block": blk, "first": lo, "end": hi + 1,
+                    "input_bytes": sum(t.nbytes for t in tensors[lo:hi + 1]
+                                       if t.kind == "block_input"),
+                    "forward_seconds": float(sum(segments[i] for i in segs)),
+                    "selective_bytes": int(sum(op[3] for op in ops)),
+                    "selective_seconds": float(sum(seconds(op) for op in ops if not op[3]))})
+    return out or None
 
 
 class TracedModel:

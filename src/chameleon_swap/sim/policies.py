@@ -19,7 +19,8 @@ way, the budget rules of the runtime):
 * ``hybrid``: chameleon with recomputation (``Chameleon(model=...)``): the hybrid planner
   (``planning.modes.plan_hybrid``) chooses per block keep, selective or full recomputation together with
   the swap set, on the step's block structure (analytic traces carry it; selective here re-runs
-  the attention core, as ``selective-recompute`` does).
+  the attention core, as ``selective-recompute`` does; traced ``--hf`` steps and steps recorded
+  with ``model=`` carry per-block ``blocks`` figures instead, see below).
 
 Planned policies copy out what their plan moves; copies come back as the runtime issues them:
 the guard underneath prefetches as soon as room allows (``_swap_step``), which is never later than
@@ -28,7 +29,11 @@ the plan's own schedule, so the peak sits at the budget whenever the budget bind
 Recomputation (Chen et al. 2016; Korthikanti et al. 2022) needs the block structure that analytic
 traces carry: ``full-recompute`` keeps only each block's input and re-runs the block's forward
 just before its backward; ``selective-recompute`` drops only the attention core (softmax and
-dropout outputs, the s^2 tensors) and re-runs it. Their memory is swept slot by slot (the
+dropout outputs, the s^2 tensors) and re-runs it. Steps with ``blocks`` (traced ``--hf`` steps,
+and steps recorded with ``Chameleon(model=..., trace_dir=...)``) use those instead: selective
+keeps what the repository's selective checkpointing keeps (the block input and the outputs of
+matmuls and attention; ``recompute/selective.py``) and re-runs the block's other forward ops;
+a recorded block that never ran selective counts as full. Their memory is swept slot by slot (the
 timeline's spans are saved in forward only; recomputed tensors are saved in backward).
 
 ``swap_only_bound``: when forward ends every tensor has been saved and none released, so at least

@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 TRACED_LAYERS = 4
 OPTIMIZERS = {"sgd": 0, "adamw": 2}     # moments kept per parameter, in the parameter's dtype
-CACHE_VERSION = 1
+CACHE_VERSION = 2     # 2: ops carry the bytes selective checkpointing keeps
 
 
 @dataclass
@@ -43,7 +43,8 @@ class SavedTensor:
 @dataclass
 class Recording:
     """One step as the tracer saw it. ``segment_ops`` holds, per slot (forward segments then
-    backward ones), the ops' ``(flops, bytes, low_precision)``; ``segment_module`` the module path
+    backward ones), the ops' ``(flops, bytes, low_precision, kept_bytes)`` (kept_bytes: the output
+    bytes selective checkpointing keeps, 0 for ops it recomputes); ``segment_module`` the module path
     each slot belongs to ("" outside every module)."""
     segment_ops: list
     segment_module: list
