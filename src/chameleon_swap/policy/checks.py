@@ -15,9 +15,11 @@ What is corrected:
   CPU's threads do: bytes over the seconds they spent copying); where it does not (CUDA), one
   factor on both directions, fitted so that the timeline model predicts the stall the step
   measured (bisection: the stall grows as the link slows);
-* the compute: with ``model=``, the key's keep view is scaled by measured over predicted compute
-  (the step without its waits), which catches what the keep view missed (the engine's own work
-  per saved tensor, a size planned from another size's view).
+* the compute: with ``model=``, on a step that moved tensors and ran slower than predicted, the
+  excess is what each move costs the compute thread (hooks, books, issuing copies), learnt as
+  the timeline's ``move_seconds`` so that mixes that move more pay more; on a step that moved
+  nothing, the key's keep view is scaled by measured over predicted compute (the step without
+  its waits), which catches a size planned from another size's view.
 """
 from __future__ import annotations
 
