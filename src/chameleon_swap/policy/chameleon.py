@@ -345,11 +345,13 @@ class ChameleonPolicy:
                 # each is made again at the end of its size's next step (one plan per step).
                 self.modes.stale.update(k for k in self.modes.plans if k != key)
         elif profile.signature == applied.signature and profile.n_forward > 0:
-            from ..planning.swaps import plan as make_plan
-            tl = profile.to_timeline(*self.link())
-            tl_plan = make_plan(tl, self.ex.budget)
-            self.checks.correct_link(self.link(), link,
-                                     stall_fn(tl, tl_plan, self.ex.budget, 1.0), stall)
+            fit = None
+            if not any(nbytes for nbytes, _ in link.values()):
+                # Untimed copies (CUDA): the link is fitted to the stall of this step's plan.
+                from ..planning.swaps import plan as make_plan
+                tl = profile.to_timeline(*self.link())
+                fit = stall_fn(tl, make_plan(tl, self.ex.budget), self.ex.budget, 1.0)
+            self.checks.correct_link(self.link(), link, fit, stall)
             entry = self._make(profile)
             entry.replanned = True
             # A lightweight step's compute is the plan's own shape scaled to the measured step:
