@@ -191,7 +191,7 @@ def test_a_lightweight_profile_estimates_compute_without_the_waits():
 def test_a_stalled_step_plans_from_its_compute_not_its_waits_on_the_emulated_link():
     # The same first step (every block kept, timed) under a budget a slow emulated link makes it
     # stall on, and a fast one where it does not. Without the waits kept apart the stalled
-    # forward reads many times the clean one (here the waits alone are > 3x the clean compute).
+    # forward reads many times the clean one (here the waits alone are > 2x the clean compute).
     # With them apart it reads within 1.6x: what is left is this CPU's own slowdown after each
     # wait (cold caches on resuming; measured by sleeping the compute thread at each budget
     # wait of a fast-link step: +25% per block with 11 waits), which no count of waiting removes.
@@ -220,7 +220,7 @@ def test_a_stalled_step_plans_from_its_compute_not_its_waits_on_the_emulated_lin
 
     fwd0, bwd0, w0, blocks0 = first_step("100GB/s")
     fwd1, bwd1, w1, blocks1 = first_step("100MB/s")
-    assert w1 > 3 * (fwd0 + bwd0) and w1 > 20 * w0
+    assert w1 > 2 * (fwd0 + bwd0) and w1 > 20 * w0
     assert fwd1 < 1.6 * fwd0 and bwd1 < 1.6 * bwd0
     assert all(b1 < 1.6 * b0 for b0, b1 in zip(blocks0, blocks1)), (blocks0, blocks1)
     assert blocks1[0] == pytest.approx(blocks0[0], rel=0.25)   # before any wait: the same

@@ -27,11 +27,9 @@ from typing import Optional
 from ..runtime.executor import HOST, OFFLOADING, RESIDENT, Executor, Record
 from .guard import GuardPolicy
 from .block_modes import BlockModes
-from . import checks
-from .checks import PlanChecks, compute_factor, stall_fn
+from .checks import PlanChecks, check_step
 from ..planning.cache import DEFAULT_PLAN_CACHE_SIZE, PlanCache, PlanEntry, compile_plan
 
-MAX_MOVE_SECONDS = 0.01   # a learnt cost per moved span above this is not believed
 RECENT_STEPS = 4          # an estimated plan used this recently earns a detailed step
 FIT_COVERAGE = 0.9        # share of saved bytes a plan must match to be kept for a new sequence
 
@@ -305,60 +303,8 @@ class ChameleonPolicy:
             self.modes.end_step(profile, profile.blocks, ok=True)
             self.planner_seconds += time.perf_counter() - t0
         if profile is not None and self.ex.budget is not None:
-            self._check(profile, applied, mode_plan, predicted)
+            check_step(self, profile, applied, mode_plan, predicted)
         self.step_no += 1
-
-    # ------------------------------------------------------------------ the closed loop
-    def _check(self, profile, applied: Optional[PlanEntry], mode_plan, predicted) -> None:
-        """Compare the step with its prediction; after ``MISSES_TO_REPLAN`` misses of one key,
-        correct the model (link, compute) from this step and plan the key again."""
-        if predicted is None:
-            return
-        key = ("modes", self.modes.key) if mode_plan is not None else ("swap", applied.signature)
-        measured = profile.step_seconds
-        if not self.checks.observe(key, predicted, measured):
-            return
-        t0 = time.perf_counter()
-        stall = float(sum(profile.waits)) if profile.waits else 0.0
-        link = profile.extra.get("link", {})
-        if mode_plan is not None:
-            hp, scale = mode_plan.hybrid, self.modes.input_bytes / max(1, mode_plan.input_bytes)
-            before = self.link()
-            after = self.checks.correct_link(before, link, stall_fn(hp.profile, hp.swap,
-                                                                     self.ex.budget, scale), stall)
-            pred = hp.predicted
-            f = compute_factor(measured, stall, pred.total_seconds * scale,
-                               pred.stall_seconds * scale)
-            moves = self.ex.stats.offloaded_tensors
-            if f > 1.0 and moves:
-                # Slower compute on a step that moved: what each move costs the compute thread
-                # (hooks, books, issuing copies), which the model did not count, not the blocks.
-                extra = measured - stall - (pred.total_seconds - pred.stall_seconds) * scale
-                self.modes.move_seconds = min(MAX_MOVE_SECONDS,
-                                              self.modes.move_seconds + max(0.0, extra) / moves)
-                f = 1.0
-            missed = self.ex.stats.offloaded_bytes - int(pred.moved_bytes * scale)
-            key = self.modes.key
-            self.modes.replan(key, f, missed if stall > pred.stall_seconds else 0)
-            if any(abs(a / b - 1) > checks.MISS for a, b in zip(after, before)):
-                # The link is every size's: the other sizes' plans were made for the old one;
-                # each is made again at the end of its size's next step (one plan per step).
-                self.modes.stale.update(k for k in self.modes.plans if k != key)
-        elif profile.signature == applied.signature and profile.n_forward > 0:
-            fit = None
-            if not any(nbytes for nbytes, _ in link.values()):
-                # Untimed copies (CUDA): the link is fitted to the stall of this step's plan.
-                from ..planning.swaps import plan as make_plan
-                tl = profile.to_timeline(*self.link())
-                fit = stall_fn(tl, make_plan(tl, self.ex.budget), self.ex.budget, 1.0)
-            self.checks.correct_link(self.link(), link, fit, stall)
-            entry = self._make(profile)
-            entry.replanned = True
-            # A lightweight step's compute is the plan's own shape scaled to the measured step:
-            # as good as the timed profile it corrects, so no timed step is asked for again.
-            entry.detailed = entry.detailed or applied.detailed
-            self.cache.put(entry)
-        self.planner_seconds += time.perf_counter() - t0
 
     def block_mode(self, b: int, input_bytes: int) -> str:
         """The mode block ``b`` runs in now (asked by the recompute runner at its start)."""

@@ -23,6 +23,7 @@ What is corrected:
 """
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import Callable, Hashable, Optional
 
@@ -32,6 +33,7 @@ MISS = 0.10                 # measured off predicted by more than this share is 
 MIN_MISS_SECONDS = 0.005    # and by more than this: a few milliseconds of jitter on a tiny
                             # step is noise, not a model to correct (real steps take 0.1-1 s)
 MISSES_TO_REPLAN = 2        # misses in a row (one key) before the model is corrected
+MAX_MOVE_SECONDS = 0.01     # a learnt cost per moved span above this is not believed
 COOLDOWN = 4                # steps of a key after a correction before it is checked again: a
                             # loaded machine's noise must not keep the planner busy
 COMPUTE_CLAMP = (0.25, 4.0)  # a correction of compute by more than this is not believed
@@ -125,3 +127,56 @@ def stall_fn(tl_profile, plan, budget, scale: float):
                      h2d_bytes_per_s=tl_profile.h2d_bytes_per_s * f)
         return simulate(pr, plan, budget).stall_seconds * scale
     return stall_at
+
+
+def check_step(policy, profile, applied, mode_plan, predicted) -> None:
+    """At the end of a step of ``policy`` (a ``ChameleonPolicy``): compare the step with its
+    prediction; after ``MISSES_TO_REPLAN`` misses of one key, correct the model (link, moves,
+    compute, missed bytes) from this step and plan the key again."""
+    if predicted is None:
+        return
+    key = ("modes", policy.modes.key) if mode_plan is not None else ("swap", applied.signature)
+    measured = profile.step_seconds
+    if not policy.checks.observe(key, predicted, measured):
+        return
+    t0 = time.perf_counter()
+    stall = float(sum(profile.waits)) if profile.waits else 0.0
+    link = profile.extra.get("link", {})
+    if mode_plan is not None:
+        hp, scale = mode_plan.hybrid, policy.modes.input_bytes / max(1, mode_plan.input_bytes)
+        before = policy.link()
+        after = policy.checks.correct_link(before, link, stall_fn(hp.profile, hp.swap,
+                                                                   policy.ex.budget, scale), stall)
+        pred = hp.predicted
+        f = compute_factor(measured, stall, pred.total_seconds * scale,
+                           pred.stall_seconds * scale)
+        moves = policy.ex.stats.offloaded_tensors
+        if f > 1.0 and moves:
+            # Slower compute on a step that moved: what each move costs the compute thread
+            # (hooks, books, issuing copies), which the model did not count, not the blocks.
+            extra = measured - stall - (pred.total_seconds - pred.stall_seconds) * scale
+            policy.modes.move_seconds = min(MAX_MOVE_SECONDS,
+                                            policy.modes.move_seconds + max(0.0, extra) / moves)
+            f = 1.0
+        missed = policy.ex.stats.offloaded_bytes - int(pred.moved_bytes * scale)
+        key = policy.modes.key
+        policy.modes.replan(key, f, missed if stall > pred.stall_seconds else 0)
+        if any(abs(a / b - 1) > MISS for a, b in zip(after, before)):
+            # The link is every size's: the other sizes' plans were made for the old one;
+            # each is made again at the end of its size's next step (one plan per step).
+            policy.modes.stale.update(k for k in policy.modes.plans if k != key)
+    elif profile.signature == applied.signature and profile.n_forward > 0:
+        fit = None
+        if not any(nbytes for nbytes, _ in link.values()):
+            # Untimed copies (CUDA): the link is fitted to the stall of this step's plan.
+            from ..planning.swaps import plan as make_plan
+            tl = profile.to_timeline(*policy.link())
+            fit = stall_fn(tl, make_plan(tl, policy.ex.budget), policy.ex.budget, 1.0)
+        policy.checks.correct_link(policy.link(), link, fit, stall)
+        entry = policy._make(profile)
+        entry.replanned = True
+        # A lightweight step's compute is the plan's own shape scaled to the measured step:
+        # as good as the timed profile it corrects, so no timed step is asked for again.
+        entry.detailed = entry.detailed or applied.detailed
+        policy.cache.put(entry)
+    policy.planner_seconds += time.perf_counter() - t0
