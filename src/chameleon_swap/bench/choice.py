@@ -28,6 +28,7 @@ from typing import Callable, Optional
 import torch
 
 from ..config import format_bytes
+from .harness import _sync
 
 LEGS = ("none", "gradient checkpointing", "swap only", "chameleon model=")
 FRACTION = 0.25
@@ -60,11 +61,6 @@ def _model(size: dict, device: torch.device):
                       max_position_embeddings=max(size["lengths"]), attn_implementation="sdpa")
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).to(device).train()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run_choice(device: torch.device, steps: int,
@@ -197,7 +193,7 @@ def table(choice: dict) -> list[str]:
         lines.append(f"  {leg:24}{r['ratio_vs_none']:>13.2f}x{format_bytes(r['peak_saved_bytes']):>14}"
                      f"  {'yes' if r['fits_budget'] else 'no'}")
     modes = choice["legs"]["chameleon model="]["block_modes"]
-    lines.append(f"  block modes (keep, selective, full) per step: "
+    lines.append("  block modes (keep, selective, full) per step: "
                  + " ".join(str(tuple(m)) for m in modes))
     lines.append(f"  losses identical across the four: "
                  f"{'yes' if choice['losses_identical'] else 'NO'}")

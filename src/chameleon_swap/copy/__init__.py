@@ -18,7 +18,8 @@ CUDA and ordering bugs show in the CPU tests:
 ``wait(ticket) -> bool``
     make compute wait for a fetch before its bytes are read; True if it had not completed yet.
 ``wait_host(ticket)``
-    block the calling thread until a copy has completed (only when the budget forces it).
+    block the calling thread until a copy has completed (only when the budget forces it), then
+    handle the completions the wait let through (``poll()``), inside the wait's time.
 ``defer(ticket, fn=None, keep=None)``
     once ``ticket`` has completed, drop ``keep`` (a device tensor that must outlive the copy) and
     call ``fn``, from a later ``poll()`` on the caller's thread.

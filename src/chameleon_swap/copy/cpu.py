@@ -182,8 +182,8 @@ class CpuCopyEngine:
         t0 = self.clock()
         ticket._block()
         if ticket.error is None:
-            # The completions the wait let through are handled now, inside the wait: on a step
-            # that never waits they are spread thinly over later polls; here they belong to it.
+            # The completions the wait let through are handled now, inside the wait (the
+            # interface's contract): they are part of what the wait cost the step.
             self.poll()
         dt = self.clock() - t0
         self._stalls.append((self.stall_slot(), dt))

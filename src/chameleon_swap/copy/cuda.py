@@ -111,6 +111,7 @@ class CudaCopyEngine:
         t0 = time.perf_counter()
         ticket.event.synchronize()
         ticket._done = True
+        self.poll()                     # the completions the wait let through (see copy/)
         dt = time.perf_counter() - t0
         after.record(compute)
         self._stall_pairs.append((self.stall_slot(), before, after))

@@ -71,6 +71,7 @@ class ChameleonPolicy:
         self._step_bytes = 0                # ... and this step's bytes of the same tensors
         self._fuzzy_moved = 0               # bytes moved on a fuzzily matched plan's word
         self.overrides = 0                  # planned-resident records the guard had to move
+        self._agree: dict[int, bool] = {}   # id(plan) -> its block modes are this step's
 
     def wants_detail(self) -> bool:
         # Timings serve the planner only, which never runs without a budget: with none, every
@@ -130,11 +131,16 @@ class ChameleonPolicy:
     def _modes_agree(self, plan: PlanEntry) -> bool:
         """A swap plan profiled with other block modes than this step runs does not stand for
         its tensors (a recomputed block saves other tensors, and frees room the plan did not
-        know of): matching it by key would move what this step's mode plan keeps."""
+        know of): matching it by key would move what this step's mode plan keeps. Asked at every
+        save, so answered once per plan a step, as soon as the step's mode plan is known."""
         now = self.modes.plan.modes if self.modes.key is not None and self.modes.plan else None
         if now is None or plan.modes is None:
             return True
-        return all(now.get(b, m) == m for b, m in plan.modes.items())
+        agree = self._agree.get(id(plan))
+        if agree is None:
+            agree = all(now.get(b, m) == m for b, m in plan.modes.items())
+            self._agree[id(plan)] = agree
+        return agree
 
     def _plan(self) -> Optional[PlanEntry]:
         return self._active if self._active is not None else (self._fuzzy if self._fuzzy_used else None)

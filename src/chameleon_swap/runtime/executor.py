@@ -320,8 +320,7 @@ class Executor:
     def wait_offload(self, rec: Record) -> None:
         """Block the host until ``rec``'s copy-out has completed: only when the budget forces it."""
         self.stats.budget_waits += 1
-        self.copy.wait_host(rec.out_ticket)
-        self.copy.poll()
+        self.copy.wait_host(rec.out_ticket)             # and handles what completed
 
     def prefetch(self, rec: Record) -> None:
         """Start copying a host record back; it counts as resident from now on."""

@@ -172,7 +172,7 @@ class Profiler:
                            detailed=self.detailed and n > 0, step_seconds=step_seconds,
                            profiler_seconds=self._seconds,
                            reserve=_per_slot(self._held, len(compute)),
-                           waits=waits if len(waits) == len(compute) else [])
+                           waits=waits)
         return self.last_profile
 
     def _from_raw(self) -> None:
