@@ -226,3 +226,27 @@ def test_when_no_mix_fits_the_smallest_peak_is_chosen_not_the_fastest():
              ("full", "full", "keep", "keep")]
     preds = [plan_swaps(apply_modes(held, blocks, m), MB).predicted for m in mixes]
     assert hp.predicted.peak_bytes <= min(p.peak_bytes for p in preds)
+
+
+# --------------------------------------------------------------------------- what a move costs
+def test_what_a_move_costs_the_host_reaches_the_mode_search():
+    # An infinitely fast link: swapping hides completely, so without a host cost per move keep
+    # + swap wins. At 5 ms of host time per move, keeping costs its 8 moves (40 ms) while full
+    # recomputation costs 4 x 3 ms of forward and 2 moves of block inputs (22 ms): the mix's
+    # own profile must carry the cost (apply_modes once dropped it, and the search then never
+    # saw it).
+    from dataclasses import replace
+
+    from chameleon_swap.planning.swaps import plan as plan_swaps
+    fast, blocks = keep_view(bw=1e13)
+    budget = unmoved_peak(fast) // 3
+    assert plan_hybrid(fast, blocks, budget).modes == ("keep",) * 4
+    costly = replace(fast, move_seconds=5e-3)
+    assert apply_modes(costly, blocks, ("full",) * 4).move_seconds == 5e-3
+    hp = plan_hybrid(costly, blocks, budget)
+    assert "full" in hp.modes and hp.predicted.budget_ok
+    # The charge is in the prediction: the kept mix's swap plan, charged per move it makes.
+    keep_plan = plan_swaps(costly, budget)
+    free = simulate(fast, Plan(keep_plan.move, keep_plan.fetch_at), budget)
+    assert keep_plan.predicted.total_seconds == pytest.approx(
+        free.total_seconds + 5e-3 * (len(keep_plan.move) + free.forced_offloads))

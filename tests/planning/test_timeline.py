@@ -38,8 +38,8 @@ def test_module_rules_no_torch_in_the_cost_model_or_the_planner():
     cost_model = {"__future__", "heapq", "collections", "dataclasses", "functools", "itertools",
                   "typing", "numpy", "math", "bisect", "timeline", "timeline_run"}
     allowed = {"timeline": cost_model, "timeline_run": cost_model,
-               "swaps": {"__future__", "bisect", "typing", "timeline", "itertools", "math",
-                         "numpy", "heapq", "collections"}}
+               "swaps": {"__future__", "bisect", "dataclasses", "typing", "timeline",
+                         "itertools", "math", "numpy", "heapq", "collections"}}
     src = Path(timeline.__file__).parent
     for name, ok in allowed.items():
         tree = ast.parse((src / f"{name}.py").read_text())
@@ -409,3 +409,44 @@ def test_split_simulate_equals_the_reference_on_planner_plans_of_large_profiles(
                          Plan(frozenset(range(n)), {j: n for j in range(n)})):
                 (new, new_curve, new_trace), (old, old_curve, old_trace) = both(pr, plan, budget)
                 assert (new, new_curve, new_trace) == (old, old_curve, old_trace)
+
+
+# ------------------------------------------------------------------ the host's cost of a move
+def test_a_move_costs_the_host_half_at_its_save_and_half_at_its_use():
+    from dataclasses import replace
+    costly = replace(TWO, move_seconds=0.2)
+    free = simulate(TWO, Plan(frozenset({0})), None)
+    charged = simulate(costly, Plan(frozenset({0})), None)
+    assert charged.total_seconds == pytest.approx(free.total_seconds + 0.2)
+    assert costly.charged({0}).compute == (1.1, 1.0, 1.0, 1.0, 1.1)
+    assert simulate(costly, Plan(frozenset()), None).total_seconds == 5.0   # no move, no charge
+
+
+def test_a_forced_copy_costs_the_host_what_a_planned_one_does():
+    # Under a budget that holds one span, moving nothing makes the guard force a copy: the
+    # executor moves it the same way, so the prediction charges it the same. Without that, a
+    # plan leaving copies to the guard looked cheaper than one that plans them.
+    from dataclasses import replace
+    costly = replace(TWO, move_seconds=0.2)
+    budget = 100 * MB
+    free = simulate(TWO, Plan(frozenset()), budget)
+    forced = simulate(costly, Plan(frozenset()), budget)
+    assert forced.forced_offloads == free.forced_offloads == 1
+    assert forced.total_seconds == pytest.approx(free.total_seconds + 0.2)
+
+
+def test_the_swap_search_is_not_steered_by_the_move_charge_its_prediction_is():
+    # The budget decides what must move within one mix; the charge only prices the plan (the
+    # mode search compares mixes by it). Charged per move, the search traded planned copies for
+    # the guard's forced ones and for plans with no slack, which then needed the guard every step.
+    from dataclasses import replace
+    rnd = random.Random(3)
+    n = 12
+    spans = [(rnd.randint(1, 20) * MB, i, n + 1 + (n - 1 - i)) for i in range(n)]
+    base = prof([0.01] * (2 * n + 1), n, spans, d2h=2 * GB, h2d=2 * GB)
+    budget = sum(s[0] for s in spans) // 3
+    free = plan_swaps(base, budget)
+    costly = plan_swaps(replace(base, move_seconds=5e-3), budget)
+    assert costly.move == free.move and costly.fetch_at == free.fetch_at
+    assert costly.predicted.total_seconds == pytest.approx(
+        free.predicted.total_seconds + 5e-3 * (len(free.move) + free.predicted.forced_offloads))

@@ -35,6 +35,22 @@ def test_two_misses_in_a_row_of_one_key_call_for_a_replan():
     assert not c.observe("a", None, 9.0)            # no prediction, nothing to check
 
 
+def test_the_cost_of_a_move_is_a_running_mean_of_what_steps_timed_plus_what_misses_showed():
+    from types import SimpleNamespace as NS
+    c = PlanChecks()
+    assert c.move_seconds() == 0.0
+    c.learn_moves(NS(move_seconds_each=None))                 # nothing moved, or CUDA: no news
+    assert c.move_measured is None
+    c.learn_moves(NS(move_seconds_each=4e-4))                 # the first step that moved
+    assert c.move_seconds() == pytest.approx(4e-4)
+    c.learn_moves(NS(move_seconds_each=2e-4))
+    assert c.move_seconds() == pytest.approx(3e-4)            # half the newest, half the mean
+    c.move_extra = 1e-4                                       # a miss found more than was timed
+    assert c.move_seconds() == pytest.approx(4e-4)
+    c.move_extra = 1.0
+    assert c.move_seconds() == checks.MAX_MOVE_SECONDS        # not believed beyond this
+
+
 def test_jitter_of_a_few_milliseconds_is_no_miss():
     c = PlanChecks()
     assert not any(c.observe("a", 0.010, 0.014) for _ in range(5))   # 40%, but 4 ms

@@ -188,6 +188,49 @@ def test_a_lightweight_profile_estimates_compute_without_the_waits():
     assert sum(p.compute) == pytest.approx(2.0) and sum(p.waits) == pytest.approx(1.0)
 
 
+def test_moves_are_kept_apart_from_compute_on_the_host_clock_not_on_the_device_one():
+    from chameleon_swap.runtime.profiler import Profiler
+    prof = Profiler(torch.device("cpu"))
+    ticks = iter(range(100))
+    prof._clock.mark = lambda: float(next(ticks))          # 1 s per mark: a steady clock
+    prof.begin_step(detailed=True)
+    x = torch.zeros(4)
+    prof.on_save(x, True, 16)
+    t0 = prof.now()                                          # moves are timed on the same clock
+    prof.on_move(prof.now() - t0, new=True)                  # issued right after save 0: slot 1
+    prof.on_save(x, True, 16)
+    prof.on_first_use(1)
+    prof.on_move(0.5)                                        # its copy back: slot 3
+    p = prof.finish(9.0, stalls=[(1, 0.25)])
+    assert p.moves == [0.0, 1.0, 0.0, 0.5] and p.moved == 1 and p.moves_apart
+    # slot 1 lasted 3 ticks (two of them the move's): 1 s moving, 0.25 s waiting, 1.75 s compute.
+    assert p.compute == [1.0, 1.75, 1.0, 0.5]
+    assert p.move_seconds_each == pytest.approx(1.5)
+    # On CUDA the slots are timed by the device, which the host's moves overlap: reported only.
+    p.moves_apart = False
+    assert p.move_seconds_each is None
+
+
+def test_a_step_reports_its_moves_and_the_engine_learns_their_cost_from_the_first():
+    m = Llama(LlamaConfig(**TINY))
+    b = batch(2, 32)
+    with cs.Chameleon(None, device="cpu", min_tensor_bytes=0) as probe:
+        run(probe, m, b)
+        peak = probe.last_step.peak_resident_bytes
+    with cs.Chameleon(peak // 4, device="cpu", min_tensor_bytes=0) as eng:
+        run(eng, m, b)
+        p, s = eng._profiler.last_profile, eng.last_step
+        assert s.offloaded_tensors > 0 and p.moved == s.offloaded_tensors
+        assert len(p.moves) == p.n_slots and sum(p.moves) > 0
+        # The first plan already knows what a move costs, without a miss to learn from.
+        assert eng._policy.checks.move_measured == pytest.approx(p.move_seconds_each)
+    with cs.Chameleon(peak * 2, device="cpu", min_tensor_bytes=0) as eng:
+        run(eng, m, b)
+        p = eng._profiler.last_profile
+        assert p.moved == 0 and not any(p.moves) and p.move_seconds_each is None
+        assert eng._policy.checks.move_measured is None
+
+
 def test_a_stalled_step_plans_from_its_compute_not_its_waits_on_the_emulated_link():
     # The same first step (every block kept, timed) under a budget a slow emulated link makes it
     # stall on, and a fast one where it does not. Without the waits kept apart the stalled

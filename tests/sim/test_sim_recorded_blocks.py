@@ -83,11 +83,16 @@ def test_recorded_selective_uses_measured_bytes_and_seconds():
     assert p_sel == p_full + 7
 
 
-def test_segment_waits_round_trip_and_are_checked():
+def test_segment_waits_and_moves_round_trip_and_are_checked():
     s = _step_with(None, waits=[0.0, 0.1, 0.0, 0.0, 0.2, 0.0])
-    assert loads(dumps(_trace(s))).steps[0].segment_waits == s.segment_waits
+    s.segment_moves = [0.0, 0.01, 0.0, 0.0, 0.0, 0.02]
+    back = loads(dumps(_trace(s))).steps[0]
+    assert back.segment_waits == s.segment_waits and back.segment_moves == s.segment_moves
     with pytest.raises(ValueError, match="segment_waits"):
         _step_with(None, waits=[0.1])
+    s.segment_moves = [0.0, -1.0, 0.0, 0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="segment_moves"):
+        s.validate("step")
     with pytest.raises(ValueError, match=r"blocks\[0\]"):
         _step_with([{"block": 0, "first": 2, "end": 1, "input_bytes": 0}])
 

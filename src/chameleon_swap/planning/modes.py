@@ -38,7 +38,9 @@ from .swaps import plan as plan_swaps
 from .timeline import Plan, Prediction, Profile, Span, simulate, unmoved_peak
 
 MODES = ("keep", "selective", "full")
-QUICK_EVALS = 48          # swap-planner simulations per candidate mix while searching
+QUICK_EVALS = 48          # swap-planner simulations per candidate mix while searching (24 were
+                          # tried: half the time, but a 4-block Llama's full mix found no swap
+                          # set that fits, and the search kept everything)
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,8 @@ def apply_modes(profile: Profile, blocks: Sequence[Block], modes: Sequence[str])
     return Profile(compute=tuple(compute), n_forward=profile.n_forward, spans=spans,
                    d2h_bytes_per_s=profile.d2h_bytes_per_s,
                    h2d_bytes_per_s=profile.h2d_bytes_per_s,
-                   reserve=tuple(reserve) if any(reserve) else ())
+                   reserve=tuple(reserve) if any(reserve) else (),
+                   move_seconds=profile.move_seconds)
 
 
 def conversion_order(profile: Profile, blocks: Sequence[Block]) -> list[int]:

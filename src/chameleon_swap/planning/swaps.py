@@ -33,6 +33,7 @@ time whatever the size). Deterministic: no randomness; every iteration over span
 from __future__ import annotations
 
 from bisect import bisect_right
+from dataclasses import replace
 from typing import Optional
 
 from .timeline import Plan, Prediction, Profile, simulate, unmoved_peak
@@ -60,7 +61,17 @@ def plan(profile: Profile, budget: Optional[int], *, max_passes: int = DEFAULT_M
     if max_evals is None:
         max_evals = min(DEFAULT_MAX_EVALS,
                         max(DEFAULT_MIN_EVALS, DEFAULT_WORK // max(1, len(profile.spans))))
-    return _Search(profile, budget, max_evals).run(max_passes)
+    if not profile.move_seconds:
+        return _Search(profile, budget, max_evals).run(max_passes)
+    # What a move costs the host is charged to the plan's prediction (the block-mode search
+    # compares mixes by it: a mix that moves more pays more), not to the search among swap
+    # sets. Within one mix the budget decides how much must move; charged per move, the search
+    # would trade planned copies for the guard's forced ones and for plans with no slack, and
+    # the runtime, whose copies also wait to be picked up, then needs the guard's help every
+    # step (measured on a 3-layer model: 8 overrides a step where the free-move plan had none).
+    found = _Search(replace(profile, move_seconds=0.0), budget, max_evals).run(max_passes)
+    return Plan(found.move, found.fetch_at, budget,
+                simulate(profile, Plan(found.move, found.fetch_at, budget), budget))
 
 
 # ---------------------------------------------------------------------------- rankings

@@ -152,7 +152,7 @@ class Profile:
 class Prediction:
     peak_bytes: int               # max resident bytes over the step
     stall_seconds: float          # compute waiting: budget waits in forward + late copies back
-    total_seconds: float          # sum(compute) + stall
+    total_seconds: float          # sum(compute) + stall (+ move_seconds per forced copy)
     swap_only_bound_seconds: float    # max(sum(compute), F / d2h, F / h2d), F = bytes copied back
     budget_ok: bool               # peak_bytes <= budget (None budget -> True)
     # Additions (defaults keep positional construction with the five fields above valid).
@@ -205,7 +205,8 @@ def simulate(profile: Profile, plan: Plan, budget: Optional[int], *,
 
     O(n log n) in the number of spans plus O(n_slots).
     """
-    if profile.move_seconds and plan.move:
+    each_move = profile.move_seconds
+    if each_move and plan.move:
         profile = profile.charged(plan.move)
     run = Run(profile, plan, budget, curve, trace is not None)
     forward(run)
@@ -216,8 +217,13 @@ def simulate(profile: Profile, plan: Plan, budget: Optional[int], *,
         trace.update(use_stall=run.use_stall, save_stall=run.save_stall, forced=run.forced,
                      out_done={j: out_done[j] for j in range(len(move)) if move[j] or j in fslot},
                      slot_start=run.slot_start, deferred=back.deferred)
+    # A forced copy costs the host what a planned move does (the executor moves it the same
+    # way): without this, a plan that leaves the guard to force copies would look cheaper than
+    # one that plans them. Charged to the total (after the run: where in the step it falls
+    # changes nothing the prediction reports).
+    forced_cost = each_move * run.forced_n
     return Prediction(peak_bytes=run.peak, stall_seconds=run.stall,
-                      total_seconds=float(sum(profile.compute)) + run.stall,
+                      total_seconds=float(sum(profile.compute)) + run.stall + forced_cost,
                       swap_only_bound_seconds=swap_only_bound(profile, run.fetched),
                       budget_ok=budget is None or run.peak <= budget,
                       forward_stall_seconds=run.fstall, moved_bytes=run.moved,

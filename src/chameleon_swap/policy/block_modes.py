@@ -55,8 +55,10 @@ class ModePlan:
 
 
 class BlockModes:
-    def __init__(self, bandwidth_fn: Callable[[], tuple]) -> None:
+    def __init__(self, bandwidth_fn: Callable[[], tuple],
+                 move_fn: Callable[[], float] = lambda: 0.0) -> None:
         self.bandwidth_fn = bandwidth_fn
+        self.move_fn = move_fn              # () -> host seconds one moved span costs
         self.views: dict[int, KeepView] = {}
         self.plans: dict[int, ModePlan] = {}
         self.sel_bytes_ratio: Optional[float] = None    # selective held / keep saved
@@ -70,7 +72,6 @@ class BlockModes:
                                                         # off the budget it plans for)
         self.warned_budgets: set = set()
         self.stale: set = set()                         # keys to plan again (the link changed)
-        self.move_seconds = 0.0                         # host cost of one moved span, learnt
         self.begin_step(None)
 
     # ------------------------------------------------------------------ during the step
@@ -237,7 +238,7 @@ class BlockModes:
             view = _scaled(view, 1.0, view.input_bytes, seconds=f)
         d2h, h2d = self.bandwidth_fn()
         prof = replace(view.profile, d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d,
-                       move_seconds=self.move_seconds)
+                       move_seconds=self.move_fn())
         blocks = [self._with_selective(prof, blk) for blk in view.blocks]
         hp = plan_hybrid(prof, blocks, self.budget - self.margin.get(key, 0))
         modes = dict(zip(view.block_ids, hp.modes))
@@ -271,13 +272,17 @@ class BlockModes:
 
 
 def block_compute(profile, call) -> float:
-    """A block call's forward time without the waits for copies inside it: a wait to make room
-    for record ``i`` falls in slot ``i + 1`` (after its save's mark), so the call's own waits are
-    those of slots ``first_record + 1 .. end_record``."""
+    """A block call's forward time without the waits for copies inside it, nor (where the
+    profile keeps them apart, on the CPU) the host time its moves took: a wait or move that
+    follows the save of record ``i`` falls in slot ``i + 1``, so the call's own are those of
+    slots ``first_record + 1 .. end_record``."""
     sec = call.forward_seconds or 0.0
+    inside = slice(call.first_record + 1, call.end_record + 1)
     waits = getattr(profile, "waits", None)
     if waits:
-        sec -= sum(waits[call.first_record + 1:call.end_record + 1])
+        sec -= sum(waits[inside])
+    if getattr(profile, "moves_apart", False):
+        sec -= sum(profile.moves[inside])
     return max(0.0, sec)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Optional
 
 from ..runtime.executor import HOST, OFFLOADING, RESIDENT, Executor, Record
@@ -45,8 +46,8 @@ class ChameleonPolicy:
         self.cache = PlanCache(cache_size)
         self.bandwidth_fn = None            # () -> (d2h, h2d) bytes/s, set by the engine
         # Block modes (keep / selective / full) when the engine was given a model.
-        self.modes = BlockModes(lambda: self.link())
         self.checks = PlanChecks()          # every plan checked against the step it ran
+        self.modes = BlockModes(lambda: self.link(), self.checks.move_seconds)
         self.step_no = 0
         self._want_detail = True            # the very first step is timed
         self._prev_sig: Optional[str] = None
@@ -301,6 +302,8 @@ class ChameleonPolicy:
                         "predicted_stall_seconds": predicted_stall,
                         "predicted_step_seconds": predicted,
                         "plan_overrides": self.overrides}
+        if profile is not None and self.ex.budget is not None:
+            self.checks.learn_moves(profile)    # before any plan of this step's end is made
         if profile is not None and profile.n_forward > 0 and self.ex.budget is not None:
             self._adapt(profile)
             self._prev_sig = profile.signature
@@ -353,7 +356,8 @@ class ChameleonPolicy:
         from ..planning.swaps import plan as make_plan
         t0 = time.perf_counter()
         d2h, h2d = self.link()
-        tl_plan = make_plan(profile.to_timeline(d2h, h2d), self.ex.budget)
+        tl = replace(profile.to_timeline(d2h, h2d), move_seconds=self.checks.move_seconds())
+        tl_plan = make_plan(tl, self.ex.budget)
         entry = compile_plan(profile, tl_plan, self.step_no)
         if profile.blocks:
             entry.modes = {}

@@ -16,10 +16,16 @@ What is corrected:
   factor on both directions, fitted so that the timeline model predicts the stall the step
   measured (bisection: the stall grows as the link slows);
 * the compute: with ``model=``, on a step that moved tensors and ran slower than predicted, the
-  excess is what each move costs the compute thread (hooks, books, issuing copies), learnt as
-  the timeline's ``move_seconds`` so that mixes that move more pay more; on a step that moved
-  nothing, the key's keep view is scaled by measured over predicted compute (the step without
-  its waits), which catches a size planned from another size's view.
+  excess is what each move costs the compute thread beyond what the profiler timed of it (see
+  below), added to the timeline's ``move_seconds`` so that mixes that move more pay more; on a
+  step that moved nothing, the key's keep view is scaled by measured over predicted compute
+  (the step without its waits), which catches a size planned from another size's view.
+
+What a move costs is not left to the misses alone. Where the profiler times the host's moves
+apart from compute (the CPU: ``StepProfile.move_seconds_each``), every step that moved updates
+the measured cost per moved span (a running mean), from the very first step: the first plan of
+a model already knows that on a 2-core CPU each moved tensor costs the step about as much as a
+small matmul (measured: 0.1-0.3 ms), which decides between swapping and recomputing there.
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ COOLDOWN = 4                # steps of a key after a correction before it is che
                             # loaded machine's noise must not keep the planner busy
 COMPUTE_CLAMP = (0.25, 4.0)  # a correction of compute by more than this is not believed
 MIN_LINK_SECONDS = 1e-3     # copying time below which a direction's bandwidth is not measured
+MOVE_MEAN_WEIGHT = 0.5      # weight of the newest step in the running mean of a move's cost
 
 
 class PlanChecks:
@@ -50,6 +57,21 @@ class PlanChecks:
         # Off when the user gave the planner a link (``link_bandwidth=``): a what-if plans for a
         # link the steps do not run on, so no step can confirm or refute it.
         self.enabled = True
+        self.move_measured: Optional[float] = None   # host seconds per moved span, timed
+        self.move_extra = 0.0           # what the misses showed a move costs beyond that
+
+    def move_seconds(self) -> float:
+        """Host seconds one moved span costs the step, for the timeline (``move_seconds``)."""
+        return min(MAX_MOVE_SECONDS, (self.move_measured or 0.0) + self.move_extra)
+
+    def learn_moves(self, profile) -> None:
+        """Update the measured cost of a move from a step that moved (where it is timed)."""
+        each = profile.move_seconds_each
+        if each is None:
+            return
+        old = self.move_measured
+        self.move_measured = each if old is None else (
+            MOVE_MEAN_WEIGHT * each + (1 - MOVE_MEAN_WEIGHT) * old)
 
     def observe(self, key: Hashable, predicted: Optional[float], measured: float) -> bool:
         """Record a step of ``key``; True when it is time to correct the model and plan again."""
@@ -155,8 +177,8 @@ def check_step(policy, profile, applied, mode_plan, predicted) -> None:
             # Slower compute on a step that moved: what each move costs the compute thread
             # (hooks, books, issuing copies), which the model did not count, not the blocks.
             extra = measured - stall - (pred.total_seconds - pred.stall_seconds) * scale
-            policy.modes.move_seconds = min(MAX_MOVE_SECONDS,
-                                            policy.modes.move_seconds + max(0.0, extra) / moves)
+            checks = policy.checks
+            checks.move_extra = min(MAX_MOVE_SECONDS, checks.move_extra + max(0.0, extra) / moves)
             f = 1.0
         missed = policy.ex.stats.offloaded_bytes - int(pred.moved_bytes * scale)
         key = policy.modes.key

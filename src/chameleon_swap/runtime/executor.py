@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from time import perf_counter
 from typing import Optional
 
 import torch
@@ -49,6 +50,7 @@ class Executor:
         self.min_tensor_bytes = min_tensor_bytes
         self.policy = None                       # set by the engine
         self.profiler = None                     # set by the engine (sees every save and use)
+        self._in_wait = False                    # inside a budget wait (see _moved)
         self.budget: Optional[int] = None        # this step's budget in bytes
         self.lock = threading.RLock()
         # Storage object -> record. Weakly keyed: a record that moved must not keep its device
@@ -257,6 +259,7 @@ class Executor:
     def offload(self, rec: Record) -> None:
         """Start copying a resident record to host; it stays counted until the copy completes."""
         assert rec.state == RESIDENT, rec.state
+        t0 = self._now()
         if rec.ready is UNMARKED:
             raise RuntimeError(f"chameleon-swap: internal error: record {rec.index} was saved in a "
                                "step with no budget (no ready marker) and cannot be moved")
@@ -281,6 +284,18 @@ class Executor:
         self.stats.offloaded_bytes += rec.nbytes
         self.stats.offloaded_tensors += 1
         self.copy.defer(rec.out_ticket, lambda: self._offloaded(rec, keep))
+        self._moved(t0, True)
+
+    def _now(self) -> float:
+        now = getattr(self.profiler, "now", None)    # the tests' stand-ins may lack it
+        return now() if now is not None else perf_counter()
+
+    def _moved(self, t0: float, new: bool = False) -> None:
+        """Host time since ``t0`` (``_now()``) went to moving a tensor: the profiler keeps it
+        apart from compute."""
+        on_move = getattr(self.profiler, "on_move", None)
+        if on_move is not None and not self._in_wait:
+            on_move(self._now() - t0, new)
 
     @staticmethod
     def _device_bytes(rec: Record) -> torch.Tensor:
@@ -304,6 +319,7 @@ class Executor:
     def _offloaded(self, rec: Record, keep: list) -> None:
         if rec.state != OFFLOADING:
             return
+        t0 = self._now()
         for h, t in keep:
             if t._version != h.version and h.dirty is None:
                 h.dirty = t._version      # written while its copy was in flight
@@ -316,11 +332,16 @@ class Executor:
             rec.device = None
             rec.state = HOST
             self._uncount(rec)
+        self._moved(t0)
 
     def wait_offload(self, rec: Record) -> None:
         """Block the host until ``rec``'s copy-out has completed: only when the budget forces it."""
         self.stats.budget_waits += 1
-        self.copy.wait_host(rec.out_ticket)             # and handles what completed
+        self._in_wait = True            # completions handled inside count as the wait's time
+        try:
+            self.copy.wait_host(rec.out_ticket)         # and handles what completed
+        finally:
+            self._in_wait = False
 
     def prefetch(self, rec: Record) -> None:
         """Start copying a host record back; it counts as resident from now on."""
@@ -330,8 +351,10 @@ class Executor:
         self._count(rec)
 
     def _fetch(self, rec: Record) -> None:
+        t0 = self._now()
         rec.device, rec.in_ticket = self.copy.fetch(rec.host.view(rec.nbytes), rec.out_ticket)
         rec.state = FETCHING
+        self._moved(t0)
 
     def drop_device_copy(self, rec: Record) -> None:
         """Forget the device copy of a restored record whose host copy is still valid: room
@@ -399,7 +422,10 @@ class Executor:
                     # Fetched with no room to keep it: it lives as long as autograd uses it.
                     rec.device = None
                     rec.state = HOST
-            return h.rebuild(device)
+            t0 = self._now()
+            out = h.rebuild(device)
+            self._moved(t0)
+            return out
 
     # ------------------------------------------------------------------ release
     def _handle_gone(self, rec: Record) -> None:

@@ -18,6 +18,15 @@ demand, the compute stream waiting on a copy event) is measured where it happens
 engine, with the slot it fell in (``current_slot``). ``finish`` keeps it per slot in ``waits``
 and takes it out of that slot's ``compute``: a step that stalled gives the planner the same
 compute as one that did not, and the stall is the model's to predict, not an input.
+
+Moves apart from compute, likewise: the host time the executor spends moving a tensor (taking
+its byte view and host buffer, issuing its copies, handling their completion, rebuilding it on
+its way back) is timed where it happens (``on_move``) and kept per slot in ``moves``. Where slots
+are timed on the host's clock (the CPU), it is taken out of ``compute`` too: the keep view a plan
+is made from then holds the blocks' own compute, and what moving costs is the timeline's
+``move_seconds``, charged to the mixes that move (``move_seconds_each`` is this step's measure of
+it). On CUDA the slots are timed by the device, which the host's work overlaps: ``moves`` is
+reported, not taken out.
 """
 from __future__ import annotations
 
@@ -51,6 +60,18 @@ class StepProfile:
     blocks: list = field(default_factory=list)         # the recompute runner's block calls
     waits: list = field(default_factory=list)          # per slot: seconds spent waiting for
                                                        # copies (not in ``compute``)
+    moves: list = field(default_factory=list)          # per slot: host seconds spent moving
+                                                       # tensors (not in ``compute`` on the CPU)
+    moved: int = 0                                     # tensors moved out (copies issued)
+    moves_apart: bool = False                          # ``moves`` taken out of ``compute``
+
+    @property
+    def move_seconds_each(self) -> Optional[float]:
+        """Host seconds one moved tensor cost the step (its copy out and back, the books), as
+        timed; None when nothing moved or the moves are not apart from compute (CUDA)."""
+        if not self.moved or not self.moves_apart:
+            return None
+        return float(sum(self.moves)) / self.moved
 
     @property
     def n_slots(self) -> int:
@@ -72,16 +93,27 @@ _SIZE_CLASSES_MAX = 4096        # bounded: byte counts vary with every sequence 
 
 
 class _CpuClock:
+    host = True                  # slots timed on the host's clock: host work is in them
+
     def mark(self):
         return time.perf_counter()
+
+    def now(self) -> float:
+        """Host seconds on the clock the slots are timed on (moves are timed on it)."""
+        return self.mark()
 
     def seconds(self, marks: list) -> list[float]:
         return list(marks)
 
 
 class _CudaClock:
+    host = False
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
+
+    def now(self) -> float:
+        return time.perf_counter()
 
     def mark(self):
         ev = torch.cuda.Event(enable_timing=True)
@@ -133,6 +165,8 @@ class Profiler:
         self._seconds = 0.0
         self._t0 = 0.0
         self.raw: list = []
+        self._moves: list[tuple[int, float]] = []   # (slot, host seconds) per timed move
+        self._moved = 0
 
     # ------------------------------------------------------------------ step boundaries
     def begin_step(self, detailed: bool) -> None:
@@ -157,22 +191,24 @@ class Profiler:
         n_used = len(self.used)
         n_slots = n + 1 + n_used
         use_slot = [n + 1 + rank[i] if i in rank else n_slots for i in range(n)]
-        waits = [0.0] * n_slots
-        for slot, sec in stalls:
-            waits[min(max(slot, 0), n_slots - 1)] += sec
+        waits = _per_slot_sum(stalls, n_slots)
+        moves = _per_slot_sum(self._moves, n_slots)
+        apart = self._clock.host
+        # On the host's clock a slot's time holds the host's moves: taken out like the waits.
+        off = [w + m for w, m in zip(waits, moves)] if apart else waits
         if self.detailed and n:
             self._marks.append(self._clock.mark())   # end of the step
             times = self._clock.seconds(self._marks[:1 + n] + self._use_marks + self._marks[-1:])
-            compute = [max(0.0, b - a - w) for a, b, w in zip(times, times[1:], waits)]
+            compute = [max(0.0, b - a - w) for a, b, w in zip(times, times[1:], off)]
         else:
-            compute = self._estimate(n, max(0.0, step_seconds - sum(waits)))
+            compute = self._estimate(n, max(0.0, step_seconds - sum(off)))
         self._seconds += time.perf_counter() - t
         self.last_profile = StepProfile(ids=self.ids, signature=signature(self.ids), keys=self.keys,
                            nbytes=self.nbytes, use_slot=use_slot, compute=compute, n_forward=n,
                            detailed=self.detailed and n > 0, step_seconds=step_seconds,
                            profiler_seconds=self._seconds,
                            reserve=_per_slot(self._held, len(compute)),
-                           waits=waits)
+                           waits=waits, moves=moves, moved=self._moved, moves_apart=apart)
         return self.last_profile
 
     def _from_raw(self) -> None:
@@ -267,6 +303,16 @@ class Profiler:
             self._use_marks.append(self._clock.mark())
         self._seconds += time.perf_counter() - t0
 
+    def now(self) -> float:
+        """Host seconds to time a move with: on the CPU, the clock the slots are timed on."""
+        return self._clock.now()
+
+    def on_move(self, seconds: float, new: bool = False) -> None:
+        """The executor spent ``seconds`` of host time moving a tensor (``new``: it issued the
+        tensor's copy out, so one more tensor moved this step)."""
+        self._moves.append((len(self.nbytes) + len(self.used), seconds))
+        self._moved += new
+
     def on_hold(self, held_bytes: int) -> None:
         """Bytes held outside the records (selective checkpointing's, a recompute's) changed to
         ``held_bytes``. Slots are counted as in ``finish``: saves so far plus first uses so far."""
@@ -287,6 +333,14 @@ def _size_class(nbytes: int) -> int:
     if len(_SIZE_CLASSES) < _SIZE_CLASSES_MAX:
         _SIZE_CLASSES[nbytes] = cls
     return cls
+
+
+def _per_slot_sum(entries, n_slots: int) -> list[float]:
+    """Seconds per slot from ``(slot, seconds)`` entries (slots clamped into the step)."""
+    out = [0.0] * n_slots
+    for slot, sec in entries:
+        out[min(max(slot, 0), n_slots - 1)] += sec
+    return out
 
 
 def _per_slot(changes: list[tuple[int, int]], n_slots: int) -> list[int]:

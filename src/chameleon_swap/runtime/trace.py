@@ -16,8 +16,10 @@ instead: ``blocks``, one object per block call with the range of tensors saved i
 ``i``), its forward seconds, its input bytes and, where the block ran selective,
 the bytes selective checkpointing kept and its recompute seconds; ``segment_block`` then names the
 call of each forward segment. ``segment_waits`` holds the seconds per slot spent waiting for
-copies (same length as ``segments`` when recorded; empty when not). Both are optional: traces
-written before them load unchanged (same format version).
+copies, ``segment_moves`` the host seconds per slot spent moving tensors (on a CPU recording,
+taken out of ``segments`` as the waits are; see the profiler), each the same length as
+``segments`` when recorded and empty when not. All are optional: traces written before them load
+unchanged (same format version).
 
 Stdlib only, like the timeline: loading a trace never needs torch.
 """
@@ -66,6 +68,7 @@ class Step:
     measured: dict = field(default_factory=dict)   # a recorded step's own StepStats figures
     blocks: Optional[list] = None          # recorded block calls (dicts, see BLOCK_KEYS)
     segment_waits: list = field(default_factory=list)   # seconds waited per slot (recorded)
+    segment_moves: list = field(default_factory=list)   # host seconds moving, per slot
 
     def __post_init__(self) -> None:
         self.validate("step")
@@ -131,12 +134,13 @@ class Step:
             if v is not None and (not isinstance(v, (list, tuple)) or len(v) != n_f):
                 raise ValueError(f"{where}.{name} must be null or a list with one entry per "
                                  f"forward segment ({n_f}); got {_short(v)}")
-        w = self.segment_waits
-        if not isinstance(w, (list, tuple)) or (w and len(w) != n_slots) or any(
-                isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)
-                or x < 0 for x in w):
-            raise ValueError(f"{where}.segment_waits must be empty or a list of seconds >= 0, one "
-                             f"per segment ({n_slots}); got {_short(w)}")
+        for name in ("segment_waits", "segment_moves"):
+            w = getattr(self, name)
+            if not isinstance(w, (list, tuple)) or (w and len(w) != n_slots) or any(
+                    isinstance(x, bool) or not isinstance(x, (int, float))
+                    or not math.isfinite(x) or x < 0 for x in w):
+                raise ValueError(f"{where}.{name} must be empty or a list of seconds >= 0, one "
+                                 f"per segment ({n_slots}); got {_short(w)}")
         if self.blocks is not None:
             if not isinstance(self.blocks, (list, tuple)):
                 raise ValueError(f"{where}.blocks must be null or a list; got {_short(self.blocks)}")
@@ -159,7 +163,7 @@ class Step:
                              "tensors": [_tensor_dict(t) for t in self.tensors],
                              "model_state_bytes": self.model_state_bytes}
         for name in ("workspace_bytes", "tokens", "tag", "segment_block", "segment_kind",
-                     "measured", "blocks", "segment_waits"):
+                     "measured", "blocks", "segment_waits", "segment_moves"):
             v = getattr(self, name)
             if v:
                 d[name] = list(v) if isinstance(v, tuple) else v
@@ -197,6 +201,7 @@ class Step:
         step.measured = dict(d.get("measured") or {})
         step.blocks = d.get("blocks")
         step.segment_waits = d.get("segment_waits") or []
+        step.segment_moves = d.get("segment_moves") or []
         step.validate(where)
         return step
 
@@ -333,12 +338,16 @@ def from_step_profile(profile, *, measured: Optional[dict] = None, meta: Optiona
                enumerate(zip(profile.nbytes, profile.use_slot))]
     segments = [float(c) for c in profile.compute]
     waits = [float(w) for w in (getattr(profile, "waits", None) or [])]
+    moves = [float(m) for m in (getattr(profile, "moves", None) or [])]
     if n_f == 0:
         # A step that saved nothing (evaluation under no_grad): one segment, no tensors.
         segments = [float(sum(segments)) or float(profile.step_seconds)]
         waits = [float(sum(waits))] if waits else []
+        moves = [float(sum(moves))] if moves else []
     if len(waits) != len(segments):
         waits = []
+    if len(moves) != len(segments) or not any(moves):
+        moves = []
     blocks, segment_block = _recorded_blocks(getattr(profile, "blocks", None) or [], n_f,
                                              segments)
     if blocks:
@@ -348,7 +357,7 @@ def from_step_profile(profile, *, measured: Optional[dict] = None, meta: Optiona
                 model_state_bytes=int(model_state_bytes),
                 tag=str(getattr(profile, "signature", ""))[:16], measured=dict(measured or {}),
                 segment_block=segment_block if blocks else None, blocks=blocks or None,
-                segment_waits=waits)
+                segment_waits=waits, segment_moves=moves)
     d2h, h2d = link if link else (None, None)
     return Trace(steps=[step], source="profiler", meta=dict(meta or {}),
                  d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d)
