@@ -56,22 +56,17 @@ def plan(profile: Profile, budget: Optional[int], *, max_passes: int = DEFAULT_M
     DEFAULT_MAX_EVALS]: a simulation costs time in proportion to the spans).
     """
     if budget is None or unmoved_peak(profile) <= budget:
-        empty = Plan(frozenset(), {}, budget)
-        return Plan(frozenset(), {}, budget, simulate(profile, empty, budget))
+        return Plan(frozenset(), {}, budget, simulate(profile, Plan(frozenset()), budget))
     if max_evals is None:
         max_evals = min(DEFAULT_MAX_EVALS,
                         max(DEFAULT_MIN_EVALS, DEFAULT_WORK // max(1, len(profile.spans))))
     if not profile.move_seconds:
         return _Search(profile, budget, max_evals).run(max_passes)
-    # What a move costs the host is charged to the plan's prediction (the block-mode search
-    # compares mixes by it: a mix that moves more pays more), not to the search among swap
-    # sets. Within one mix the budget decides how much must move; charged per move, the search
-    # would trade planned copies for the guard's forced ones and for plans with no slack, and
-    # the runtime, whose copies also wait to be picked up, then needs the guard's help every
-    # step (measured on a 3-layer model: 8 overrides a step where the free-move plan had none).
+    # A move's host cost prices the plan (the mode search compares mixes by it), not the search
+    # among swap sets: charged there, it traded planned copies for the guard's forced ones and
+    # for plans with no slack, which then needed the guard every step.
     found = _Search(replace(profile, move_seconds=0.0), budget, max_evals).run(max_passes)
-    return Plan(found.move, found.fetch_at, budget,
-                simulate(profile, Plan(found.move, found.fetch_at, budget), budget))
+    return Plan(found.move, found.fetch_at, budget, simulate(profile, found, budget))
 
 
 # ---------------------------------------------------------------------------- rankings

@@ -32,6 +32,7 @@ from ..planning.signatures import step_size
 from ..planning.timeline import Profile, Span
 
 REPLAN_BUDGET_CHANGE = 0.05     # a budget that moved by more than this re-plans the key
+REPLAN_MOVE_CHANGE = 0.3       # so does a cost of a move that changed by more than this
 
 
 @dataclass
@@ -52,6 +53,7 @@ class ModePlan:
     hybrid: HybridPlan
     key: Optional[int] = None   # the step size it was made for
     replanned: bool = False     # made again after its predictions missed (not yet reported)
+    move_seconds: float = 0.0   # the cost of a move it was planned with
 
 
 class BlockModes:
@@ -192,7 +194,10 @@ class BlockModes:
         if self.probing is not None:
             self._learn_selective(calls)
         plan = self.plans.get(self.key)
-        if self.key in self.stale:
+        if self.key in self.stale or (plan is not None and plan.key == self.key
+                                      and _moved(plan.move_seconds, self.move_fn(),
+                                                 REPLAN_MOVE_CHANGE)):
+            # The link changed, or what a move costs did (learnt since): plan the key again.
             self.stale.discard(self.key)
             self.replan(self.key, 1.0)
         elif (plan is None or (not plan.measured and self.key in self.views)
@@ -243,7 +248,8 @@ class BlockModes:
         hp = plan_hybrid(prof, blocks, self.budget - self.margin.get(key, 0))
         modes = dict(zip(view.block_ids, hp.modes))
         self.plans[key] = ModePlan(modes, dict(zip(view.block_ids, hp.working_set)),
-                                   view.input_bytes, self.budget, measured, hp, key=key)
+                                   view.input_bytes, self.budget, measured, hp, key=key,
+                                   move_seconds=prof.move_seconds)
         pred = hp.predicted
         fits = pred.peak_bytes <= self.budget and not pred.forced_offloads
         if not fits and self.budget not in self.warned_budgets:
@@ -286,8 +292,8 @@ def block_compute(profile, call) -> float:
     return max(0.0, sec)
 
 
-def _moved(planned: int, now: int) -> bool:
-    return abs(now - planned) > REPLAN_BUDGET_CHANGE * max(1, planned)
+def _moved(planned, now, share: float = REPLAN_BUDGET_CHANGE) -> bool:
+    return abs(now - planned) > share * max(1e-12 if isinstance(planned, float) else 1, planned)
 
 
 def _scaled(view: KeepView, f: float, input_bytes: int,
