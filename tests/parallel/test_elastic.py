@@ -1,9 +1,12 @@
 """Recovery under torchrun (parallel/elastic.py, examples/elastic_train.py): several agents on
 localhost (c10d rendezvous, gloo, one process each); one agent's process group is killed in the
-forward, the backward, the optimizer step or a checkpoint save. Each run completes with the
-same data order (sample ids recorded: nothing skipped or repeated, the global batch kept), never
-loads a half-written checkpoint, and its losses after recovery equal bit for bit those of a
-failure-free run from the same checkpoint with the same final layout (2 ranks)."""
+forward, the backward, the optimizer step or a checkpoint save (written in the background,
+committed a step later). Each run completes with the same data order (sample ids recorded:
+nothing skipped or repeated, the global batch kept), never loads a half-written checkpoint,
+applies the recovery planner's answer for each world size (3 ranks keep everything; the
+survivors, with more samples each, get a smaller budget and swap and recompute), and its losses
+after recovery equal bit for bit those of a failure-free run from the same checkpoint with the
+same final layout."""
 from __future__ import annotations
 
 import json
@@ -18,11 +21,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from chameleon_swap.elastic import Checkpoints, GlobalBatches
+import argparse
+import importlib.util
+
+from chameleon_swap.elastic import Checkpoints, GlobalBatches, engine_for
+from chameleon_swap.sim.hardware import load as load_hardware
+from chameleon_swap.sim.restart import plan_restart
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "elastic_train.py"
 STEPS, GLOBAL_BATCH, SAMPLES = 6, 12, 72
+# Device memory per rank the planner assumes: enough to keep everything on 3 ranks (4 samples
+# each), not on 2 (6) or 1 (12), where it answers with a smaller budget and recomputation.
+DEVICE_MEMORY = 5_500_000
 
 pytestmark = pytest.mark.distributed
 
@@ -49,7 +60,8 @@ def _torchrun(tmp: Path, agents: int, nnodes: str, kill: str = "", steps: int = 
                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", tmp.name, "--rdzv-conf",
                conf, "--monitor-interval", "0.2", str(SCRIPT), "--ckpt", str(tmp / "ckpt"),
                "--records", str(tmp / "log"), "--steps", str(steps), "--global-batch",
-               str(GLOBAL_BATCH), "--samples", str(SAMPLES)]
+               str(GLOBAL_BATCH), "--samples", str(SAMPLES), "--device-memory",
+               str(DEVICE_MEMORY)]
         out = open(tmp / f"agent{a}.txt", "w")
         procs.append(subprocess.Popen(cmd, env=dict(env, CS_AGENT=str(a)), stdout=out,
                                       stderr=subprocess.STDOUT, start_new_session=True))
@@ -98,7 +110,21 @@ def _reference(first: Path, tmp: Path, world: int) -> dict:
     return {r["step"]: r["loss"] for r in _records(tmp, "losses.jsonl")}
 
 
-@pytest.mark.parametrize("point", ["3:forward", "3:backward", "3:optimizer", "4:save"])
+def _planned(world: int) -> dict:
+    """The planner's answer the example should apply on ``world`` ranks, asked here."""
+    spec = importlib.util.spec_from_file_location("elastic_train", SCRIPT)
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    args = ex.parse_args(["--ckpt", "-", "--records", "-", "--device-memory",
+                          str(DEVICE_MEMORY)])
+    return plan_restart(ex.planner_model(ex.make_model(args), args),
+                        load_hardware(args.hardware), world, GLOBAL_BATCH,
+                        DEVICE_MEMORY).as_dict()
+
+
+# Checkpoints at steps 2, 4, 6, each committed at the end of the next step: a kill in step 4 or
+# in the commit of step 4's checkpoint (4:save, during step 5) resumes from step 2.
+@pytest.mark.parametrize("point", ["4:forward", "4:backward", "4:optimizer", "4:save"])
 def test_kill_one_agent_and_recover(tmp_path, first_steps, point):
     (tmp_path / "run").mkdir()
     (tmp_path / "ref").mkdir()
@@ -114,9 +140,29 @@ def test_kill_one_agent_and_recover(tmp_path, first_steps, point):
     assert after == list(range(3, STEPS + 1))
     worlds = {samples[s][0]["world"] for s in after}
     assert len(worlds) == 1 and worlds <= {1, 2}
-    # Bit for bit the failure-free run from the same checkpoint with the same final layout.
-    reference = _reference(first_steps, ref_dir, worlds.pop())
+    world = worlds.pop()
+    # Each start asked the planner for its world and applied the answer: the engine's budget
+    # in every step is the plan's. The survivors take more samples each: a smaller budget,
+    # under which the engine moves activations (3 ranks keep everything).
+    plans = _records(tmp_path, "plans.jsonl")
+    assert plans[0]["attempt"] == 0 and plans[0]["world"] == 3
+    assert plans[-1]["world"] == world and plans[-1]["resumed_from"] == 2
+    for p in plans:
+        assert p["plan"] == _planned(p["world"])
+        assert p["engine_budget_bytes"] == p["plan"]["budget_bytes"]
+    first, last = plans[0]["plan"], plans[-1]["plan"]
+    assert first["mode"] == "none" and last["recompute"]
+    assert last["budget_bytes"] < first["budget_bytes"]
+    by_attempt = {p["attempt"]: p["plan"] for p in plans}
+    for s, rs in losses.items():
+        plan = by_attempt[rs[0]["attempt"]]
+        assert (rs[0]["budget_bytes"], rs[0]["mode"]) == (plan["budget_bytes"], plan["mode"])
+    assert all(losses[s][0]["offloaded_bytes"] > 0 for s in after)
+    # Bit for bit the failure-free run from the same checkpoint with the same final layout
+    # (which the planner gives the same answer).
+    reference = _reference(first_steps, ref_dir, world)
     assert {s: losses[s][0]["loss"] for s in losses} == reference
+    assert _records(ref_dir, "plans.jsonl")[-1]["plan"] == last
     # Nothing skipped or repeated, the global batch kept.
     data = GlobalBatches(SAMPLES, GLOBAL_BATCH, seed=1)
     seen: list[int] = []
@@ -155,3 +201,41 @@ def test_global_batches_independent_of_world_size():
         data.shard(0, 0, 9)
     with pytest.raises(ValueError, match="global_batch"):
         GlobalBatches(4, 8)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_background_save_visible_only_once_committed(tmp_path):
+    ck = Checkpoints(tmp_path)
+    w = torch.arange(1000.0)
+    ck.save({"w": w}, 2)
+    written = []
+    ck.save({"w": w}, 4, on_written=lambda: written.append(4), blocking=False)
+    w.add_(1)                                      # training goes on while it is written
+    assert ck.pending == 4 and ck.latest() == 2 and not written
+    assert ck.commit() == 4 and written == [4]
+    assert ck.pending is None and ck.steps() == [2, 4] and ck.commit() is None
+    state = {"w": torch.zeros(1000)}
+    ck.load(state)
+    assert torch.equal(state["w"], torch.arange(1000.0))    # the state as it was at save
+    ck.save({"w": w}, 6, blocking=False)
+    ck.close()                                     # commits what is pending
+    assert ck.steps() == [2, 4, 6]
+    with pytest.raises(TypeError, match="blocking"):
+        ck.save({"w": w}, 8, blocking="no")
+
+
+def test_engine_for_applies_the_plan():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    plan = {"world": 1, "dp": 1, "pp": 1, "tp": 1, "budget_bytes": 4096, "recompute": False}
+    with engine_for(plan, model, device="cpu") as eng:
+        assert eng.budget_bytes == 4096
+    with pytest.raises(ValueError, match="world of 2"):
+        engine_for(dict(plan, world=2, dp=2), model)
+    with pytest.raises(ValueError, match="data parallel"):
+        engine_for(dict(plan, dp=1, pp=2), model)
+    with pytest.raises(ValueError, match="model="):
+        engine_for(dict(plan, recompute=True))
+    with pytest.raises(ValueError, match="budget_bytes"):
+        engine_for({"world": 1, "dp": 1, "pp": 1, "tp": 1, "recompute": False})
+    with pytest.raises(TypeError, match="plan"):
+        engine_for([1])
