@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import argparse
 import importlib.util
 
 from chameleon_swap.elastic import Checkpoints, GlobalBatches, engine_for
@@ -47,7 +46,7 @@ def _port() -> int:
 def _torchrun(tmp: Path, agents: int, nnodes: str, kill: str = "", steps: int = STEPS,
               timeout: float = 150) -> None:
     """``agents`` torchrun agents (agent 0 hosts the c10d store), each in a session of its own;
-    waits for all of them."""
+    waits for all of them; every agent but a killed one must succeed."""
     port, procs = _port(), []
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1",
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
@@ -75,8 +74,15 @@ def _torchrun(tmp: Path, agents: int, nnodes: str, kill: str = "", steps: int = 
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, 9)
-        logs = "\n".join((tmp / f"agent{a}.txt").read_text()[-2000:] for a in range(agents))
-        pytest.fail(f"torchrun agents did not finish:\n{logs}")
+        pytest.fail(f"torchrun agents did not finish:\n{_logs(tmp, agents)}")
+    killed = int(kill.rsplit(":", 1)[1]) if kill else None
+    failed = [a for a, p in enumerate(procs) if a != killed and p.returncode != 0]
+    if failed:
+        pytest.fail(f"torchrun agents {failed} failed:\n{_logs(tmp, agents)}")
+
+
+def _logs(tmp: Path, agents: int) -> str:
+    return "\n".join((tmp / f"agent{a}.txt").read_text()[-2000:] for a in range(agents))
 
 
 def _records(tmp: Path, name: str) -> list[dict]:
@@ -102,12 +108,28 @@ def first_steps(tmp_path_factory):
     return tmp
 
 
-def _reference(first: Path, tmp: Path, world: int) -> dict:
-    """Failure-free from ``first``'s step-2 checkpoint on ``world`` ranks: losses by step."""
+def _reference(first: Path, tmp: Path, world: int) -> tuple[dict, dict]:
+    """Failure-free from ``first``'s step-2 checkpoint on ``world`` ranks: losses by step, and
+    the plan it applied."""
     shutil.copytree(first / "ckpt", tmp / "ckpt")
     shutil.copytree(first / "log", tmp / "log")
     _torchrun(tmp, world, str(world))
-    return {r["step"]: r["loss"] for r in _records(tmp, "losses.jsonl")}
+    plans = _records(tmp, "plans.jsonl")
+    assert plans[-1]["world"] == world and plans[-1]["resumed_from"] == 2
+    return {r["step"]: r["loss"] for r in _records(tmp, "losses.jsonl")}, plans[-1]["plan"]
+
+
+@pytest.fixture(scope="module")
+def reference(first_steps, tmp_path_factory):
+    """``_reference`` by final world size, run once for all the kills that end on it (each
+    resumes from a checkpoint equal to ``first_steps``': steps 1-2 are compared too)."""
+    done: dict = {}
+
+    def get(world: int) -> tuple[dict, dict]:
+        if world not in done:
+            done[world] = _reference(first_steps, tmp_path_factory.mktemp("elastic-ref"), world)
+        return done[world]
+    return get
 
 
 def _planned(world: int) -> dict:
@@ -125,10 +147,7 @@ def _planned(world: int) -> dict:
 # Checkpoints at steps 2, 4, 6, each committed at the end of the next step: a kill in step 4 or
 # in the commit of step 4's checkpoint (4:save, during step 5) resumes from step 2.
 @pytest.mark.parametrize("point", ["4:forward", "4:backward", "4:optimizer", "4:save"])
-def test_kill_one_agent_and_recover(tmp_path, first_steps, point):
-    (tmp_path / "run").mkdir()
-    (tmp_path / "ref").mkdir()
-    ref_dir, tmp_path = tmp_path / "ref", tmp_path / "run"
+def test_kill_one_agent_and_recover(tmp_path, reference, point):
     _torchrun(tmp_path, 3, "2:3", kill=f"{point}:2")
     losses = _final(_records(tmp_path, "losses.jsonl"))
     samples = _final(_records(tmp_path, "samples.jsonl"))
@@ -160,9 +179,9 @@ def test_kill_one_agent_and_recover(tmp_path, first_steps, point):
     assert all(losses[s][0]["offloaded_bytes"] > 0 for s in after)
     # Bit for bit the failure-free run from the same checkpoint with the same final layout
     # (which the planner gives the same answer).
-    reference = _reference(first_steps, ref_dir, world)
-    assert {s: losses[s][0]["loss"] for s in losses} == reference
-    assert _records(ref_dir, "plans.jsonl")[-1]["plan"] == last
+    ref_losses, ref_plan = reference(world)
+    assert {s: losses[s][0]["loss"] for s in losses} == ref_losses
+    assert ref_plan == last
     # Nothing skipped or repeated, the global batch kept.
     data = GlobalBatches(SAMPLES, GLOBAL_BATCH, seed=1)
     seen: list[int] = []
