@@ -20,9 +20,9 @@ and ``--hardware``, whose memory ``--device-memory`` replaces (on the CPU, a dev
 with 5500000 bytes, 3 ranks keep everything and 2 or 1 must swap and recompute).
 
 Records under ``--records``: ``plans.jsonl`` (rank 0, one line per start: attempt, world, the
-checkpoint it resumed from, the planner's answer), ``samples.jsonl`` (each rank, the sample ids
-of every step), ``losses.jsonl`` (rank 0, the step's loss as ``float.hex``, with the budget and
-mode in force and what the engine moved).
+checkpoint it resumed from, the half-written ones it ignored, the planner's answer),
+``samples.jsonl`` (each rank, the sample ids of every step), ``losses.jsonl`` (rank 0, the
+step's loss as ``float.hex``, with the budget and mode in force and what the engine moved).
 
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives every rendezvous round a store of its own: with
 the agents' shared store, the restarted workers' gloo mesh was seen to look up a killed worker's
@@ -131,6 +131,7 @@ def main(argv=None) -> None:
     # Step 0's state is a checkpoint too, so that a failure before the first save loses nothing.
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd, "step": torch.tensor(0)}
+    ignored = ckpts.incomplete()       # half written when a failure hit: never loaded
     if ckpts.latest() is None:
         ckpts.save(state, 0)
     ckpts.load(state)
@@ -146,7 +147,8 @@ def main(argv=None) -> None:
     if rank == 0:
         with open(log / "plans.jsonl", "a") as f:
             f.write(json.dumps({"attempt": attempt, "world": world, "resumed_from": start,
-                                "plan": plan, "engine_budget_bytes": eng.budget_bytes}) + "\n")
+                                "ignored_incomplete": ignored, "plan": plan,
+                                "engine_budget_bytes": eng.budget_bytes}) + "\n")
         print(f"attempt {attempt}: world {world}, resuming after step {start}; planner: "
               f"dp {plan['dp']}, {plan['mode']}, budget {plan['budget_bytes']} bytes per rank "
               f"({plan['samples_per_rank']} samples)", flush=True)

@@ -166,6 +166,8 @@ def test_kill_one_agent_and_recover(tmp_path, reference, point):
     plans = _records(tmp_path, "plans.jsonl")
     assert plans[0]["attempt"] == 0 and plans[0]["world"] == 3
     assert plans[-1]["world"] == world and plans[-1]["resumed_from"] == 2
+    # 4:save: step 4's checkpoint was written (by the killed rank at least) but not committed.
+    assert plans[-1]["ignored_incomplete"] == ([4] if point == "4:save" else [])
     for p in plans:
         assert p["plan"] == _planned(p["world"])
         assert p["engine_budget_bytes"] == p["plan"]["budget_bytes"]
@@ -201,7 +203,7 @@ def test_half_written_checkpoint_is_invisible(tmp_path):
     w = torch.arange(4.0)
     ck.save({"w": w}, 1)
     (tmp_path / "step-3.tmp").mkdir()               # a save that died before its rename
-    assert ck.latest() == 1 and ck.steps() == [1]
+    assert ck.latest() == 1 and ck.steps() == [1] and ck.incomplete() == [3]
     state = {"w": torch.zeros(4)}
     assert ck.load(state) == 1 and torch.equal(state["w"], w)
     with pytest.raises(ValueError, match="step"):

@@ -70,6 +70,15 @@ class Checkpoints:
         s = self.steps()
         return s[-1] if s else None
 
+    def incomplete(self) -> list[int]:
+        """Steps whose checkpoint was begun but never committed (``step-N.tmp``): never
+        loaded; the next save of that step replaces it."""
+        if not self.root.is_dir():
+            return []
+        return sorted(int(p.name[5:-4]) for p in self.root.iterdir()
+                      if p.name.startswith("step-") and p.name.endswith(".tmp")
+                      and p.name[5:-4].isdigit())
+
     @property
     def pending(self) -> Optional[int]:
         """The step of a save written in the background and not yet committed, or None."""
