@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import contextlib
 import importlib.util
 
 from chameleon_swap.elastic import Checkpoints, GlobalBatches, engine_for
@@ -132,13 +133,18 @@ def reference(first_steps, tmp_path_factory):
     return get
 
 
-def _planned(world: int) -> dict:
-    """The planner's answer the example should apply on ``world`` ranks, asked here."""
+def _example():
+    """examples/elastic_train.py as a module, and its arguments in the tests' runs."""
     spec = importlib.util.spec_from_file_location("elastic_train", SCRIPT)
     ex = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ex)
-    args = ex.parse_args(["--ckpt", "-", "--records", "-", "--device-memory",
-                          str(DEVICE_MEMORY)])
+    return ex, ex.parse_args(["--ckpt", "-", "--records", "-", "--device-memory",
+                              str(DEVICE_MEMORY)])
+
+
+def _planned(world: int) -> dict:
+    """The planner's answer the example should apply on ``world`` ranks, asked here."""
+    ex, args = _example()
     return plan_restart(ex.planner_model(ex.make_model(args), args),
                         load_hardware(args.hardware), world, GLOBAL_BATCH,
                         DEVICE_MEMORY).as_dict()
@@ -260,3 +266,35 @@ def test_engine_for_applies_the_plan():
         engine_for({"world": 1, "dp": 1, "pp": 1, "tp": 1, "recompute": False})
     with pytest.raises(TypeError, match="plan"):
         engine_for([1])
+
+
+def test_planned_engine_keeps_losses_and_gradients_bit_exact():
+    """The example's model and step on one rank under the planner's answer for one rank (the
+    smallest budget, recomputation allowed) against the same steps without an engine."""
+    ex, args = _example()
+    plan = _planned(1)
+    assert plan["recompute"]
+    ids = GlobalBatches(SAMPLES, GLOBAL_BATCH, seed=1).batch(0)
+    xs, ys = (torch.stack(t) for t in zip(*(ex.sample(i, args.seq) for i in ids)))
+    runs = []
+    for use_engine in (False, True):
+        model = ex.make_model(args)
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        eng = engine_for(plan, model, device="cpu") if use_engine else None
+        out = []
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            with eng.step() if eng else contextlib.nullcontext():
+                logits = model(xs)
+                loss = torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.size(-1)), ys.reshape(-1), reduction="sum")
+                loss.backward()
+            out.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+            opt.step()
+        if eng:
+            assert eng.budget_bytes == plan["budget_bytes"]
+            assert eng.last_step.offloaded_bytes + eng.last_step.recomputed_bytes > 0
+            eng.close()
+        runs.append(out)
+    for (l0, g0), (l1, g1) in zip(*runs):
+        assert torch.equal(l0, l1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
