@@ -101,19 +101,16 @@ def _final(records: list[dict]) -> dict:
     return {s: rs for s, (_, rs) in last.items()}
 
 
-@pytest.fixture(scope="module")
-def first_steps(tmp_path_factory):
-    """Failure-free, 3 ranks, to step 2: the checkpoint every kill below resumes from."""
-    tmp = tmp_path_factory.mktemp("elastic-ref")
-    _torchrun(tmp, 3, "3", steps=2)
-    return tmp
-
-
-def _reference(first: Path, tmp: Path, world: int) -> tuple[dict, dict]:
-    """Failure-free from ``first``'s step-2 checkpoint on ``world`` ranks: losses by step, and
-    the plan it applied."""
-    shutil.copytree(first / "ckpt", tmp / "ckpt")
-    shutil.copytree(first / "log", tmp / "log")
+def _reference(run: Path, tmp: Path, world: int) -> tuple[dict, dict]:
+    """Failure-free on ``world`` ranks from ``run``'s step-2 checkpoint (committed before its
+    failure, never rewritten after), with ``run``'s first-attempt losses of steps 1-2: losses by
+    step, and the plan it applied."""
+    for s in (0, 2):
+        shutil.copytree(run / "ckpt" / f"step-{s}", tmp / "ckpt" / f"step-{s}")
+    (tmp / "log").mkdir()
+    first = [r for r in _records(run, "losses.jsonl") if r["attempt"] == 0 and r["step"] <= 2]
+    assert [r["step"] for r in first] == [1, 2]
+    (tmp / "log" / "losses.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first))
     _torchrun(tmp, world, str(world))
     plans = _records(tmp, "plans.jsonl")
     assert plans[-1]["world"] == world and plans[-1]["resumed_from"] == 2
@@ -121,14 +118,15 @@ def _reference(first: Path, tmp: Path, world: int) -> tuple[dict, dict]:
 
 
 @pytest.fixture(scope="module")
-def reference(first_steps, tmp_path_factory):
-    """``_reference`` by final world size, run once for all the kills that end on it (each
-    resumes from a checkpoint equal to ``first_steps``': steps 1-2 are compared too)."""
+def reference(tmp_path_factory):
+    """``_reference`` by final world size, run once for all the kills that end on it, from the
+    first such kill run's checkpoint: the others compare with it their own steps 1-2 (separate
+    runs, equal bit for bit) and steps 3-6 from their equal checkpoint."""
     done: dict = {}
 
-    def get(world: int) -> tuple[dict, dict]:
+    def get(run: Path, world: int) -> tuple[dict, dict]:
         if world not in done:
-            done[world] = _reference(first_steps, tmp_path_factory.mktemp("elastic-ref"), world)
+            done[world] = _reference(run, tmp_path_factory.mktemp("elastic-ref"), world)
         return done[world]
     return get
 
@@ -154,6 +152,8 @@ def _planned(world: int) -> dict:
 # in the commit of step 4's checkpoint (4:save, during step 5) resumes from step 2.
 @pytest.mark.parametrize("point", ["4:forward", "4:backward", "4:optimizer", "4:save"])
 def test_kill_one_agent_and_recover(tmp_path, reference, point):
+    tmp_path = tmp_path / "run"
+    tmp_path.mkdir()
     _torchrun(tmp_path, 3, "2:3", kill=f"{point}:2")
     losses = _final(_records(tmp_path, "losses.jsonl"))
     samples = _final(_records(tmp_path, "samples.jsonl"))
@@ -187,7 +187,7 @@ def test_kill_one_agent_and_recover(tmp_path, reference, point):
     assert all(losses[s][0]["offloaded_bytes"] > 0 for s in after)
     # Bit for bit the failure-free run from the same checkpoint with the same final layout
     # (which the planner gives the same answer).
-    ref_losses, ref_plan = reference(world)
+    ref_losses, ref_plan = reference(tmp_path, world)
     assert {s: losses[s][0]["loss"] for s in losses} == ref_losses
     assert ref_plan == last
     # Nothing skipped or repeated, the global batch kept.

@@ -3,7 +3,7 @@ elastic) for membership and restarts, ``torch.distributed.checkpoint`` (DCP) for
 
 A run under ``torchrun --nnodes MIN:MAX --max-restarts K`` restarts every worker when one is
 lost; the survivors re-rendezvous and each worker starts again from the newest *complete*
-checkpoint, resharded by DCP to the new world size. Three pieces:
+checkpoint, resharded by DCP to the new world size. Four pieces:
 
 * ``Checkpoints``: ``save`` writes a step's state with DCP into ``step-N.tmp`` and, once every
   rank has written, rank 0 renames it to ``step-N`` (an atomic ``os.rename`` on one file
@@ -12,8 +12,8 @@ checkpoint, resharded by DCP to the new world size. Three pieces:
   written on a background thread (DCP's ``async_save``, on a gloo group of its own so that its
   collectives never interleave with the training's) while training goes on; ``commit`` (called
   by the next ``save``, or by the caller, say after the next step) waits for the write on every
-  rank and only then renames. Where ``async_save`` is missing (before torch 2.3) the save is
-  synchronous.
+  rank and only then renames. Where ``async_save`` is missing (a guard: every torch >= 2.5 the
+  project supports has it) the save is synchronous, and still renamed at ``commit``.
 * ``GlobalBatches``: the data order as a function of the step alone: step ``s`` takes samples
   ``perm[s*B:(s+1)*B]`` of a seeded permutation (a new one each epoch), ``B`` the global batch,
   split over the ranks as ``ids[rank::world]``. A restart at step ``s`` takes exactly the
@@ -109,7 +109,7 @@ class Checkpoints:
             self._pending = (step, None, on_written)
         else:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg())
-            # torch >= 2.9 may answer with an AsyncSaveResponse (staging and upload futures).
+            # Newer torch may answer with an AsyncSaveResponse (staging and upload futures).
             future = getattr(future, "upload_completion", future)
             self._pending = (step, future, on_written)
         if blocking:
