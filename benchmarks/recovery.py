@@ -6,8 +6,9 @@
    (c10d rendezvous), one agent's process group killed in the forward of ``--kill-step``. From
    rank 0's step records: the time to recover (from the last step finished before the failure
    to the first one finished after it, less one median step after), the steps lost (finished
-   steps redone from the last complete checkpoint), and throughput (samples/s, median step)
-   before and after.
+   steps redone from the last complete checkpoint), throughput (samples/s, median step)
+   before and after, and the runtime planner's answer (mode, per-rank budget) before and after,
+   with what the engine moved under it.
 2. Simulated (``chameleon_swap.sim.recovery``): Odyssey's setting (32 GPUs, 7B and 13B) and 256
    and 1024 GPUs, one rank lost and a whole replica's worth of ranks lost, each strategy's
    throughput over the horizon as a share of failure-free, and ours against rerouting-only and
@@ -53,7 +54,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def measured(steps: int, kill_step: int, width: int) -> dict:
+def measured(steps: int, kill_step: int, dim: int, device_memory: int, hardware: str) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="cs-recovery-"))
     port, procs = _port(), []
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1",
@@ -68,7 +69,8 @@ def measured(steps: int, kill_step: int, width: int) -> dict:
                str(ROOT / "examples" / "elastic_train.py"), "--ckpt", str(tmp / "ckpt"),
                "--records", str(tmp / "log"), "--steps", str(steps), "--every", "4",
                "--global-batch", str(GLOBAL_BATCH), "--samples", str(GLOBAL_BATCH * steps),
-               "--width", str(width)]
+               "--dim", str(dim), "--device-memory", str(device_memory), "--hardware",
+               hardware]
         procs.append(subprocess.Popen(cmd, env=dict(env, CS_AGENT=str(a)),
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                       start_new_session=True))
@@ -87,7 +89,15 @@ def measured(steps: int, kill_step: int, width: int) -> dict:
         return statistics.median(d) if d else float("nan")
     step_before, step_after = med(before), med(after)
     gap = after[0]["time"] - before[-1]["time"]
+    plans = [json.loads(x) for x in (tmp / "log" / "plans.jsonl").read_text().splitlines()]
+    p0, p1 = plans[0]["plan"], plans[-1]["plan"]
     return {"world_before": before[0]["world"], "world_after": after[0]["world"],
+            "planner_before": f"{p0['mode']}, budget {p0['budget_bytes']} B/rank",
+            "planner_after": f"{p1['mode']}, budget {p1['budget_bytes']} B/rank",
+            "offloaded_bytes_per_step_before": statistics.median(r["offloaded_bytes"]
+                                                                 for r in before),
+            "offloaded_bytes_per_step_after": statistics.median(r["offloaded_bytes"]
+                                                                for r in after),
             "last_step_before_failure": before[-1]["step"],
             "resumed_after_step": after[0]["step"] - 1,
             "steps_lost": before[-1]["step"] - (after[0]["step"] - 1),
@@ -129,7 +139,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--kill-step", type=int, default=7)
-    ap.add_argument("--width", type=int, default=256, help="the MLP's hidden width")
+    ap.add_argument("--dim", type=int, default=64, help="the small Llama's hidden size")
+    ap.add_argument("--device-memory", type=int, default=9_000_000,
+                    help="bytes per rank the runtime planner assumes (default 9000000: 3 "
+                         "ranks keep everything, 2 must swap)")
     ap.add_argument("--hardware", default="a100-80gb")
     ap.add_argument("--steps-to-repair", type=int, default=1000)
     ap.add_argument("--skip-run", action="store_true", help="only the simulated figures")
@@ -137,7 +150,8 @@ def main() -> None:
     a = ap.parse_args()
     if not 1 < a.kill_step < a.steps:
         raise SystemExit(f"--kill-step must be between 2 and --steps - 1; got {a.kill_step}")
-    run = None if a.skip_run else measured(a.steps, a.kill_step, a.width)
+    run = None if a.skip_run else measured(a.steps, a.kill_step, a.dim, a.device_memory,
+                                             a.hardware)
     sim = simulated(a.hardware, a.steps_to_repair)
     payload = {"device": "cpu", "torch": torch.__version__, "commit": git_commit(),
                "config": vars(a), "measured": run, "simulated": sim}

@@ -1,14 +1,28 @@
 """Train under torchrun with an elastic range of nodes; survive a lost agent.
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 2:3 --nproc-per-node 1 --max-restarts 3 --rdzv-backend c10d \
-        --rdzv-endpoint localhost:29400 examples/elastic_train.py --ckpt /tmp/ckpt --records /tmp/log
+        --rdzv-endpoint localhost:29400 examples/elastic_train.py --ckpt /tmp/ckpt --records /tmp/log \
+        --device-memory 5500000
 
 Every worker starts from the newest complete DCP checkpoint (resharded to the world it finds),
-takes its share of each step's global batch from ``GlobalBatches`` (the order depends on the
-step alone) and checkpoints every ``--every`` steps. When an agent is lost, torchrun restarts the
-survivors' workers, they re-rendezvous and continue: no sample skipped or repeated, the global
-batch kept. Each rank appends the sample ids of every step to ``--records``/samples.jsonl, rank 0
-the step's loss (as ``float.hex``) to ``--records``/losses.jsonl, with the attempt and world size.
+asks the recovery planner (``chameleon_swap.sim.restart.plan_restart``) for the layout and the
+per-rank activation budget of this world, applies them (``chameleon_swap.elastic.engine_for``:
+a ``Chameleon`` holding that budget, recomputing blocks where the plan says so), takes its share
+of each step's global batch from ``GlobalBatches`` (the order depends on the step alone) and
+checkpoints every ``--every`` steps, in the background (DCP ``async_save``): a checkpoint is
+committed (made loadable) at the end of the next step, once every rank's write is done. When an
+agent is lost, torchrun restarts the survivors' workers; they re-rendezvous, ask the planner
+again for the smaller world (each rank now takes more of the global batch, so more activations)
+and continue: no sample skipped or repeated, the global batch kept.
+
+The model is a small Llama (``--layers``, ``--dim``, ``--seq``); the planner is given its shape
+and ``--hardware``, whose memory ``--device-memory`` replaces (on the CPU, a device of that size:
+with 5500000 bytes, 3 ranks keep everything and 2 or 1 must swap and recompute).
+
+Records under ``--records``: ``plans.jsonl`` (rank 0, one line per start: attempt, world, the
+checkpoint it resumed from, the half-written ones it ignored, the planner's answer),
+``samples.jsonl`` (each rank, the sample ids of every step), ``losses.jsonl`` (rank 0, the
+step's loss as ``float.hex``, with the budget and mode in force and what the engine moved).
 
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives every rendezvous round a store of its own: with
 the agents' shared store, the restarted workers' gloo mesh was seen to look up a killed worker's
@@ -16,7 +30,8 @@ stale address and fail to connect (torch 2.13, localhost).
 
 Fault injection for the tests: ``CS_ELASTIC_KILL=STEP:PHASE:AGENT`` (PHASE one of forward,
 backward, optimizer, save) kills the process group of the agent whose ``CS_AGENT`` is AGENT, on
-the first attempt, at that point of that step.
+the first attempt, at that point of that step (``save``: after this rank's shard of step STEP's
+checkpoint is written, before the rename that makes it loadable).
 """
 from __future__ import annotations
 
@@ -32,20 +47,36 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from chameleon_swap.elastic import (Checkpoints, GlobalBatches, global_loss, reduce_gradients,
-                                    restart_count)
+from chameleon_swap.elastic import (Checkpoints, GlobalBatches, engine_for, global_loss,
+                                    reduce_gradients, restart_count)
+from chameleon_swap.sim.hardware import load as load_hardware
+from chameleon_swap.sim.models import ModelConfig
+from chameleon_swap.sim.restart import plan_restart
+from chameleon_swap.workloads.llama import Llama, LlamaConfig
+
+VOCAB = 256
 
 
-def sample(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(i: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample ``i``: tokens and next-token targets, from ``i`` alone."""
     g = torch.Generator().manual_seed(i)
-    x = torch.randn(8, generator=g)
-    return x, x.sum().sin().reshape(1)
+    t = torch.randint(VOCAB, (seq + 1,), generator=g)
+    return t[:-1], t[1:]
 
 
-def make_model(width: int = 16) -> torch.nn.Module:
+def make_model(args) -> Llama:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(),
-                               torch.nn.Linear(width, 1))
+    return Llama(LlamaConfig(vocab_size=VOCAB, dim=args.dim, n_layers=args.layers, n_heads=4,
+                             n_kv_heads=2, max_seq_len=args.seq))
+
+
+def planner_model(model: Llama, args) -> ModelConfig:
+    """The model's shape as the simulator describes it (fp32, SGD with momentum: weights,
+    gradients and momentum, 12 bytes per parameter)."""
+    c = model.config
+    return ModelConfig(layers=c.n_layers, hidden=c.dim, heads=c.n_heads, kv_heads=c.n_kv_heads,
+                       ffn=c.ffn_dim, vocab=c.vocab_size, seq=args.seq, dtype="fp32",
+                       state_bytes_per_param=12, name="elastic-llama")
 
 
 def killer(step: int, phase: str):
@@ -66,67 +97,103 @@ def killer(step: int, phase: str):
     return maybe
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ckpt", required=True, help="checkpoint folder")
-    ap.add_argument("--records", required=True, help="folder for samples.jsonl and losses.jsonl")
+    ap.add_argument("--records", required=True,
+                    help="folder for plans.jsonl, samples.jsonl and losses.jsonl")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--every", type=int, default=2, help="checkpoint every N steps")
     ap.add_argument("--global-batch", type=int, default=12)
     ap.add_argument("--samples", type=int, default=96)
-    ap.add_argument("--lr", type=float, default=0.1)
-    ap.add_argument("--width", type=int, default=16, help="hidden width of the small MLP")
-    args = ap.parse_args(argv)
+    ap.add_argument("--lr", type=float, default=0.01)
+    ap.add_argument("--layers", type=int, default=4, help="blocks of the small Llama")
+    ap.add_argument("--dim", type=int, default=64, help="hidden size of the small Llama")
+    ap.add_argument("--seq", type=int, default=32, help="tokens per sample")
+    ap.add_argument("--hardware", default="h100-sxm", help="the planner's device profile")
+    ap.add_argument("--device-memory", type=int, default=None, metavar="BYTES",
+                    help="device memory per rank the planner assumes instead of the profile's")
+    ap.add_argument("--sync-save", action="store_true",
+                    help="write checkpoints synchronously (default: in the background)")
+    return ap.parse_args(argv)
 
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     rank, world = dist.get_rank(), dist.get_world_size()
     attempt = restart_count()
-    model = make_model(args.width)
+    model = make_model(args)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     ckpts = Checkpoints(args.ckpt)
     data = GlobalBatches(args.samples, args.global_batch, seed=1)
-    kill = killer(0, "")
 
     # Step 0's state is a checkpoint too, so that a failure before the first save loses nothing.
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd, "step": torch.tensor(0)}
+    ignored = ckpts.incomplete()       # half written when a failure hit: never loaded
     if ckpts.latest() is None:
         ckpts.save(state, 0)
     ckpts.load(state)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     start = int(state["step"])
+
+    # The planner's answer for this world, applied: this rank's engine and its budget.
+    plan = plan_restart(planner_model(model, args), load_hardware(args.hardware), world,
+                        args.global_batch, args.device_memory).as_dict()
+    eng = engine_for(plan, model, device="cpu")
     log = Path(args.records)
     log.mkdir(parents=True, exist_ok=True)
     if rank == 0:
-        print(f"attempt {attempt}: world {world}, resuming after step {start}", flush=True)
+        with open(log / "plans.jsonl", "a") as f:
+            f.write(json.dumps({"attempt": attempt, "world": world, "resumed_from": start,
+                                "ignored_incomplete": ignored, "plan": plan,
+                                "engine_budget_bytes": eng.budget_bytes}) + "\n")
+        print(f"attempt {attempt}: world {world}, resuming after step {start}; planner: "
+              f"dp {plan['dp']}, {plan['mode']}, budget {plan['budget_bytes']} bytes per rank "
+              f"({plan['samples_per_rank']} samples)", flush=True)
 
+    kill = killer(0, "")
     step_box = [0]
-    model[0].register_forward_pre_hook(lambda m, a: kill(step_box[0], "forward"))
-    model[0].weight.register_hook(lambda g: kill(step_box[0], "backward"))
+    model.layers[0].register_forward_pre_hook(lambda m, a: kill(step_box[0], "forward"))
+    model.tok_emb.weight.register_hook(lambda g: kill(step_box[0], "backward"))
     opt.register_step_pre_hook(lambda o, a, k: kill(step_box[0], "optimizer"))
 
     for step in range(start + 1, args.steps + 1):
         step_box[0] = step
         ids = data.shard(step - 1, rank, world)
-        xs, ys = zip(*(sample(i) for i in ids))
-        out = model(torch.stack(xs))
-        local = torch.nn.functional.mse_loss(out, torch.stack(ys), reduction="sum")
+        xs, ys = zip(*(sample(i, args.seq) for i in ids))
         opt.zero_grad(set_to_none=True)
-        local.backward()
+        with eng.step():
+            logits = model(torch.stack(xs))
+            local = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.size(-1)), torch.stack(ys).reshape(-1),
+                reduction="sum")
+            local.backward()
         reduce_gradients(model.parameters(), args.global_batch)
         opt.step()
         loss = global_loss(local, args.global_batch)
+        # The previous checkpoint, written in the background during this step, made loadable.
+        ckpts.commit()
+        stats = eng.last_step
         with open(log / "samples.jsonl", "a") as f:
             f.write(json.dumps({"attempt": attempt, "world": world, "rank": rank, "step": step,
                                 "ids": ids}) + "\n")
         if rank == 0:
             with open(log / "losses.jsonl", "a") as f:
-                f.write(json.dumps({"attempt": attempt, "world": world, "step": step,
-                                    "loss": float(loss).hex(), "time": time.time()}) + "\n")
+                f.write(json.dumps({
+                    "attempt": attempt, "world": world, "step": step,
+                    "loss": float(loss).hex(), "time": time.time(), "mode": plan["mode"],
+                    "budget_bytes": stats.budget_bytes,
+                    "peak_resident_bytes": stats.peak_resident_bytes,
+                    "offloaded_bytes": stats.offloaded_bytes,
+                    "recomputed_bytes": stats.recomputed_bytes}) + "\n")
         if step % args.every == 0:
             msd, osd = get_state_dict(model, opt)
             ckpts.save({"model": msd, "optim": osd, "step": torch.tensor(step)}, step,
-                       on_written=lambda: kill(step, "save"))
+                       on_written=lambda s=step: kill(s, "save"), blocking=args.sync_save)
+    ckpts.close()
+    eng.close()
     dist.destroy_process_group()
 
 

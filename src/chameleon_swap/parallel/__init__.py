@@ -1,7 +1,8 @@
 """Pipelines and other layouts over several ranks: ``PipelineChameleon`` and the Chronos V order
 (``pipeline.py``), pipeline schedules as data, timed under a cost model (``schedules.py``, no
 torch), weight offload inside a step (``weights.py``), and recovery from a lost rank under
-torchrun with DCP checkpoints (``elastic.py``, which imports torch only).
+torchrun with DCP checkpoints (``elastic.py``; it takes the planner's answer as plain data and
+builds each rank's ``Chameleon`` from it).
 
 May import: ``engine.py`` (each rank runs a ``Chameleon``), ``recompute/``, ``copy/``,
 ``runtime/``, ``config``.

@@ -10,6 +10,8 @@
 * ``gpu_steps``: simulated step times of traced models beside step times measured on a GPU;
 * ``recovery`` (and ``recovery_cli``): after ranks are lost, rerouting, reconfiguration or
   either with the engine's budget re-planned per rank, chosen over a horizon (``recover``);
+  ``restart``: at each (re)start of an elastic run, the layout, mode and per-rank budget for the
+  world size torchrun gives (``examples/elastic_train.py`` applies it);
 * ``commands`` (and ``hf_commands`` for ``--hf``): what ``chameleon-swap simulate | capacity |
   compare | trace`` run.
 
