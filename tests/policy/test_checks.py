@@ -35,7 +35,7 @@ def test_two_misses_in_a_row_of_one_key_call_for_a_replan():
     assert not c.observe("a", None, 9.0)            # no prediction, nothing to check
 
 
-def test_the_cost_of_a_move_is_timed_and_fitted_to_what_steps_ran_over_their_mix():
+def test_the_cost_of_a_move_is_timed_as_a_running_mean_and_capped():
     from types import SimpleNamespace as NS
     c = PlanChecks()
     assert c.move_seconds() == 0.0
@@ -45,20 +45,8 @@ def test_the_cost_of_a_move_is_timed_and_fitted_to_what_steps_ran_over_their_mix
     assert c.move_seconds() == pytest.approx(4e-4)
     c.learn_moves(NS(move_seconds_each=2e-4))
     assert c.move_seconds() == pytest.approx(3e-4)            # half the newest, half the mean
-    # Mixes that moved more ran longer by 1 ms a move, on a machine 1.5x slower all over.
-    rows = [(0.10, 100), (0.12, 20), (0.09, 100), (0.11, 50), (0.10, 5)]
-    for _ in range(3):
-        for p, m in rows:
-            c.observe_moves(p, m, 1.5 * p + 1e-3 * m)
-    c.observe_moves(0.1, 0, 5.0)                              # a step that moved nothing: no row
-    assert len(c.rows) == 15
-    assert c.move_seconds() == pytest.approx(1e-3, rel=0.15)  # the slowdown is not the moves'
-    for _ in range(checks.FIT_ROWS):                          # steps faster than predicted
-        c.observe_moves(0.1, 100, 0.05)
-    assert c.move_seconds() == pytest.approx(3e-4)            # never below what was timed
-    for _ in range(checks.FIT_ROWS // 2):
-        c.observe_moves(0.1, 10, 10.0)
-        c.observe_moves(0.1, 1, 0.1)
+    for _ in range(20):
+        c.learn_moves(NS(move_seconds_each=1.0))              # a stalled machine's reading
     assert c.move_seconds() == checks.MAX_MOVE_SECONDS        # not believed beyond this
 
 

@@ -16,8 +16,9 @@ into the timeline of a mix of modes:
 * keep: unchanged.
 * full: the block's spans are gone; one movable span of its input bytes is saved where the block
   began and needed where its backward begins; that slot gains the block's forward time (the
-  recompute) and, from then until the block's backward ends, the block's saved bytes are held
-  (``reserve``): the recompute re-creates them.
+  recompute) and, from then until the block's backward ends, the block's saved bytes beyond its
+  inputs are held (``reserve``): the recompute re-creates them, and saves its inputs (which its
+  first operations save when kept) again in place.
 * selective: the same, except that the recompute costs the measured selective time and the bytes
   selective checkpointing keeps (matmul and attention outputs) are held from the block's first
   save until its backward begins, where they become part of the held working set.
@@ -31,7 +32,7 @@ the smallest peak is chosen (the policy then warns), never the one that keeps ev
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
 from .swaps import plan as plan_swaps
@@ -130,8 +131,8 @@ def apply_modes(profile: Profile, blocks: Sequence[Block], modes: Sequence[str])
             compute[begin] += blk.selective_seconds
             for s in range(first_save, begin):     # from then on, part of the working set
                 reserve[s] += blk.selective_bytes
-        for s in range(begin, end + 1):
-            reserve[s] += held
+        for s in range(begin, end + 1):      # the recompute saves its inputs again in place
+            reserve[s] += max(0, held - blk.input_bytes)
     kept = [(sp.save, -1, j, sp) for j, sp in enumerate(profile.spans) if j not in drop]
     ins = [(save, b, -1, sp) for save, b, sp in added]
     spans = tuple(sp for *_, sp in sorted(kept + ins, key=lambda x: x[:3]))
@@ -174,6 +175,10 @@ def plan_hybrid(profile: Profile, blocks: Sequence[Block], budget: Optional[int]
     if budget is None or unmoved_peak(profile) <= budget:
         return _made(profile, blocks, keep, Plan(frozenset(), {}, budget,
                                                  simulate(profile, Plan(frozenset()), budget)))
+    # A block whose recompute, with its inputs, holds more than the budget cannot recompute
+    # within it: the runtime runs it keep (``BlockModes.mode``), so the search does too.
+    blocks = [replace(b, eligible=False) if b.eligible and working_set(profile, b) > budget
+              else b for b in blocks]
     search = _ModeSearch(profile, blocks, budget)
     best = search.run()
     # The search compared quick swap plans, the three uniform mixes (swap only, all selective

@@ -369,14 +369,14 @@ class _Search:
         # Local improvement from each ranking's best prefix, the most promising first.
         best, best_key = frozenset(), self.score(frozenset())[0]
         ranked = sorted(starts.items(), key=lambda kv: (kv[1][0], sorted(kv[0])))
-        if len(self.pr.spans) > LARGE:
-            ranked = ranked[:LARGE_STARTS]   # large profiles: the evaluations go to the best
+        ranked = ranked[:LARGE_STARTS] if len(self.pr.spans) > LARGE else ranked  # (to the best)
         for move, (k, order) in ranked:
+            if self.cache.get(move, (best_key,))[0] < best_key:   # a start is a candidate,
+                best, best_key = move, self.cache[move][0]         # even out of evaluations
             if self.out_of_evals():
                 break
             cand = self.improve(move, order, max_passes)
-            if self.score(cand)[0] < best_key:
-                best, best_key = cand, self.score(cand)[0]
+            best, best_key = min((best, best_key), (cand, self.score(cand)[0]), key=lambda x: x[1])
         # Copy-back times of the best (on small profiles, of the best six move sets).
         finals = [best]
         if len(pr.spans) <= SMALL:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import deque
 
 from ..runtime.executor import HOST, OFFLOADING, RESIDENT, RESTORED, Executor, Record
+from ..runtime.records import _Need
 
 
 class GuardPolicy:
@@ -48,9 +49,7 @@ class GuardPolicy:
     def make_room(self, rec: Record) -> None:
         ex = self.ex
         self._largest = max(self._largest, rec.nbytes)
-        # Room is also kept for the recomputes still to come (their working sets are held in
-        # backward, where nothing can be copied out in time).
-        target = ex.budget - ex.recompute_reserve - rec.nbytes
+        target = ex.budget - rec.nbytes
         if ex.resident_bytes <= target:
             return
         self._offload_down_to(target, include_small=True)
@@ -65,7 +64,7 @@ class GuardPolicy:
             return
         (self._small if rec.small else self._large).append(rec)
         headroom = min(self._largest, self.ex.budget // 2)
-        self._offload_down_to(self.ex.budget - self.ex.recompute_reserve - headroom,
+        self._offload_down_to(self.ex.budget - headroom,
                               include_small=False)
 
     def _offload_down_to(self, target: int, *, include_small: bool) -> None:
@@ -130,4 +129,22 @@ class GuardPolicy:
             ex.drop_device_copy(other)
             if ex.resident_bytes + rec.nbytes <= ex.budget:
                 return True
+        # Copies out still in flight (sent late in forward, on a slow link) leave by themselves:
+        # waiting for them costs the rest of their copy, not a copy back.
+        for other in sorted((r for r in list(ex.live) if r.state == OFFLOADING and r is not rec
+                             and r.out_ticket is not None), key=lambda r: r.index):
+            ex.wait_offload(other)
+            if ex.resident_bytes + rec.nbytes <= ex.budget:
+                return True
+        if isinstance(rec, _Need):
+            # A recompute's working set (a hold): forward keeps no room for it, so when a plan
+            # left too much on the device (or none ran), records of this step not used yet go
+            # out now, saved first (needed last) first, and come back when needed.
+            for other in sorted((r for r in list(ex.live) if r.state == RESIDENT and r.counted
+                                 and not r.used and r.index < ex.next_index
+                                 and r not in ex._earlier), key=lambda r: r.index):
+                ex.offload(other)
+                ex.wait_offload(other)
+                if ex.resident_bytes + rec.nbytes <= ex.budget:
+                    return True
         return False

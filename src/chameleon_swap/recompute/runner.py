@@ -55,8 +55,9 @@ MODES = ("keep", "selective", "full")
 __all__ = ["MODES", "BlockCall", "BlockRunner", "find_blocks"]
 
 # Keyword arguments through which a block updates a KV cache: recomputing such a call would update
-# the cache twice, so those calls run keep.
-_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
+# the cache twice, so those calls run keep. (transformers 5.24's decoder layers take it as
+# ``cache``; earlier releases as ``past_key_value(s)``.)
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache")
 
 
 
@@ -351,7 +352,11 @@ class BlockRunner:
         # the recompute re-creates only the rest, and the kept ones stay held until the
         # block's backward is done (they are consumed by it, not freed by the recompute).
         rest = max(0, n - live.call.selective_bytes)
-        if live.ws_token is None and live not in self._open_ws and (rest or live.sel_tokens):
+        # checkpoint saved the call's inputs (counted as the records they are); the recompute
+        # saves them again in place (a block's first operations save its inputs), so what it
+        # re-creates beside them is the rest (as the planner's ``apply_modes`` counts it).
+        rest = max(0, rest - live.call.input_bytes)
+        if live.ws_token is None and live not in self._open_ws and (n or live.sel_tokens):
             if rest:
                 live.ws_token = self._hold(rest)
             live.call.recomputed_bytes = n
