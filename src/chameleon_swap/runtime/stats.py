@@ -75,6 +75,9 @@ class StepStats:
     host_wait_seconds: float = 0.0     # time the step waited for host memory: a slab allocated
                                        # on its own thread, or one on its way from the
                                        # background thread or host_memory_reserve
+    host_deferred_moves: int = 0       # copy-outs the budget did not need yet, put off because no
+                                       # host buffer was ready (the step would have waited for one):
+                                       # moved at a later save, or kept resident
     # Recomputation (with model=): blocks run keep, selective or full this step.
     recomputed_bytes: int = 0          # activation bytes not kept because their block recomputes
     recompute_seconds: float = 0.0     # measured forward time repeated in backward
@@ -157,13 +160,15 @@ class StepTotals:
     profiler_seconds: float = 0.0
     peak_resident_bytes: int = 0           # the most of any step
     host_wait_seconds: float = 0.0
+    host_deferred_moves: int = 0
 
     def add(self, st) -> None:
         self.steps += 1
         self.failed_steps += bool(st.failed)
         for name in ("saved_bytes", "offloaded_bytes", "prefetched_bytes", "fetched_bytes",
                      "sync_fetches", "forced_offloads", "recomputed_bytes", "stall_seconds",
-                     "host_seconds", "profiler_seconds", "host_wait_seconds"):
+                     "host_seconds", "profiler_seconds", "host_wait_seconds",
+                     "host_deferred_moves"):
             setattr(self, name, getattr(self, name) + getattr(st, name))
         if st.step_seconds is not None:      # else added when known (StepTimer.resolve)
             self.step_seconds += st.step_seconds

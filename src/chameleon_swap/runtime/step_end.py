@@ -69,6 +69,7 @@ def finish_step(eng, t0: float, budget: Optional[int], failed: bool,
             forced_offloads=counters.forced_offloads, kept_bytes=counters.kept_bytes,
             host_allocated_bytes=eng._pool.allocated_bytes - eng._host_allocated_at_start,
             host_wait_seconds=eng._pool.wait_seconds - eng._host_wait_at_start,
+            host_deferred_moves=counters.host_deferred_moves,
             **block_stats(calls, eng._runner is not None))
         eng.history.append(stats)
         eng.totals.add(stats)
