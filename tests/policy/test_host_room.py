@@ -1,0 +1,129 @@
+"""Out of host memory, with ``model=``, recompute instead (issue 19, item 3).
+
+When what a step would move exceeds ``host_memory_limit``, the engine keeps host bytes within the
+limit and recomputes the rest: the mode search knows the limit (``plan_hybrid(host_limit=)``,
+tested on hand-built views in ``planning/test_modes.py``) and, at run time, a block whose plan
+keeps it while the host arena has no room left for it runs full. Without ``model=`` nothing can
+be recomputed, and ``HostMemoryError`` says so as before."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import chameleon_swap as cs
+from _helpers import assert_bitwise, grads
+from _models import TModel, randn
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+
+@pytest.fixture(scope="module")
+def case():
+    """A 6-block model, its batch and reference gradients, a budget at 30% of its natural peak
+    and the host memory a swap-only engine needs at that budget."""
+    model = TModel(dim=64, n=6, seed=0)
+    x = randn(2, 32, 64, seed=1)
+
+    def run(m):
+        torch.manual_seed(0)                 # dropout: the same mask every time
+        loss = m(x)
+        loss.backward()
+        return loss.detach()
+    ref = copy.deepcopy(model)
+    ref_loss = run(ref)
+    with cs.Chameleon(None, device="cpu", min_tensor_bytes=0) as probe:
+        with probe.step():
+            run(copy.deepcopy(model))
+        budget = int(probe.last_step.peak_resident_bytes * 0.3)
+    with cs.Chameleon(budget, device="cpu", min_tensor_bytes=0) as swap:
+        with swap.step():
+            run(copy.deepcopy(model))
+        need = swap._pool.peak_in_use_bytes
+    return dict(model=model, run=run, ref_loss=ref_loss, ref_grads=grads(ref), budget=budget,
+                need=need)
+
+
+def _steps(case, n, *, with_model=True, **kwargs):
+    m = copy.deepcopy(case["model"])
+    eng = cs.Chameleon(case["budget"], device="cpu", min_tensor_bytes=0,
+                       **({"model": m} if with_model else {}), **kwargs)
+    with eng:
+        for _ in range(n):
+            m.zero_grad(set_to_none=True)
+            with eng.step():
+                loss = case["run"](m)
+            assert_bitwise(case["ref_loss"], case["ref_grads"], loss, grads(m))
+            assert eng.last_step.peak_resident_bytes <= case["budget"], eng.last_step
+    return eng
+
+
+@pytest.mark.parametrize("share", [0.5, 0.3])
+def test_with_model_a_small_host_limit_recomputes_instead(case, share):
+    limit = int(case["need"] * share)
+    with pytest.raises(cs.HostMemoryError, match="host_memory_limit reached"):
+        _steps(case, 1, with_model=False, host_memory_limit=limit)
+    free = _steps(case, 4)
+    small = _steps(case, 4, host_memory_limit=limit)
+    assert small._pool.peak_in_use_bytes <= limit
+    # The first step has no plan: with room, every block is kept (and its swaps need more
+    # host memory than the limit); without, blocks recompute from the first step on.
+    assert free.history[0].block_modes[2] == 0
+    assert all(s.block_modes[2] > 0 for s in small.history), small.history
+    assert small.history[0].offloaded_bytes < free.history[0].offloaded_bytes
+
+
+def test_the_mode_plan_keeps_its_copies_within_the_host_limit_and_warns_when_none_can(case):
+    """The host limit reaches the mode search. After a first step with every block kept (a
+    large limit: its keep view is measured), the plans are made again for a smaller limit:
+    they copy out no more than it and recompute more; with no room at all, one warning names
+    host_memory_limit and what the least-moving mix would copy."""
+    m = copy.deepcopy(case["model"])
+    with cs.Chameleon(case["budget"], device="cpu", min_tensor_bytes=0, model=m) as eng:
+        modes = eng._policy.modes
+
+        def step():
+            m.zero_grad(set_to_none=True)
+            with eng.step():
+                loss = case["run"](m)
+            assert_bitwise(case["ref_loss"], case["ref_grads"], loss, grads(m))
+            assert eng.last_step.peak_resident_bytes <= case["budget"]
+        step()
+        step()
+        (key, free), = modes.plans.items()
+        assert free.hybrid.predicted.moved_bytes > 0
+        limit = free.hybrid.predicted.moved_bytes // 2
+        modes.host_limit = limit + 4096 * len(free.hybrid.profile.spans)   # pages: see _make
+        modes._make(key)
+        planned = modes.plans[key].hybrid
+        assert planned.predicted.moved_bytes <= limit
+        assert planned.counts()[2] > free.hybrid.counts()[2]
+        step()
+        assert eng.last_step.block_modes == planned.counts()
+        step()
+
+
+def test_one_warning_when_no_mix_keeps_its_copies_within_host_room(case):
+    """A budget so small that even recomputing every block copies block inputs out: with no
+    host room at all, one warning names host_memory_limit and what the least-moving mix would
+    copy; the plan is the one that moves least."""
+    m = copy.deepcopy(case["model"])
+    budget = case["budget"] // 6
+    with cs.Chameleon(budget, device="cpu", min_tensor_bytes=0, model=m) as eng:
+        for _ in range(2):
+            with eng.step():
+                case["run"](m)
+        modes = eng._policy.modes
+        (key, free), = modes.plans.items()
+        modes.host_limit = 0
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            modes._make(key)
+            modes._make(key)
+        least = modes.plans[key].hybrid
+        assert least.predicted.moved_bytes > 0 and least.counts()[2] > free.hybrid.counts()[2]
+        said = [str(w.message) for w in got if "host_memory_limit" in str(w.message)]
+        assert len(said) == 1, said
+        assert "host_memory_limit=0 B" in said[0] and "would copy" in said[0], said
