@@ -280,12 +280,12 @@ class Executor:
         """Start copying a resident record to host; it stays counted until the copy completes.
 
         A copy-out a policy asks for in ``after_save`` (resident bytes are within the budget
-        with this save) is not needed yet. If no host buffer is
-        ready for it (``HostPool.ready``), starting it would wait for host memory to be
-        allocated: it is put off instead (False; ``host_deferred_moves``), the record stays
-        resident and counted, and it is moved at a later save, once a buffer is ready or the
-        budget needs its bytes (``_move_deferred``; waiting is allowed then). A step that would
-        have waited moves less and does not stall (issue 19)."""
+        with this save) is not needed yet. If no host buffer is ready for it
+        (``HostPool.ready``), starting it would wait for host memory to be allocated: it is put
+        off instead (False; ``host_deferred_moves``), the record stays resident and counted,
+        and it is moved at a later save, once a buffer is ready or the budget needs its bytes
+        (``_move_deferred``; waiting is allowed then). A step that would have waited moves less
+        and does not stall (issue 19)."""
         assert rec.state == RESIDENT, rec.state
         if self._optional and not self.pool.ready(rec.nbytes):
             if rec not in self._deferred:
