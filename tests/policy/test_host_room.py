@@ -46,6 +46,17 @@ def case():
                 need=need)
 
 
+@pytest.fixture
+def steady_clock(monkeypatch):
+    """Every profiler and runner timestamp 50 us after the previous one, and no correction from
+    the wall clock: the plans then depend on the bytes alone (as in test_block_modes.py)."""
+    from chameleon_swap.policy import checks
+    from chameleon_swap.runtime import profiler
+    ticks = iter(range(10**9))
+    monkeypatch.setattr(profiler._CpuClock, "mark", lambda self: next(ticks) * 50e-6)
+    monkeypatch.setattr(checks, "MISSES_TO_REPLAN", 10**9)
+
+
 def _steps(case, n, *, with_model=True, **kwargs):
     m = copy.deepcopy(case["model"])
     eng = cs.Chameleon(case["budget"], device="cpu", min_tensor_bytes=0,
@@ -75,11 +86,10 @@ def test_with_model_a_small_host_limit_recomputes_instead(case, share):
     assert small.history[0].offloaded_bytes < free.history[0].offloaded_bytes
 
 
-def test_the_mode_plan_keeps_its_copies_within_the_host_limit_and_warns_when_none_can(case):
+def test_the_mode_plan_keeps_its_copies_within_the_host_limit(case, steady_clock):
     """The host limit reaches the mode search. After a first step with every block kept (a
     large limit: its keep view is measured), the plans are made again for a smaller limit:
-    they copy out no more than it and recompute more; with no room at all, one warning names
-    host_memory_limit and what the least-moving mix would copy."""
+    they copy out no more than it and recompute more, and the step runs them."""
     m = copy.deepcopy(case["model"])
     with cs.Chameleon(case["budget"], device="cpu", min_tensor_bytes=0, model=m) as eng:
         modes = eng._policy.modes
@@ -93,7 +103,7 @@ def test_the_mode_plan_keeps_its_copies_within_the_host_limit_and_warns_when_non
         step()
         step()
         (key, free), = modes.plans.items()
-        assert free.hybrid.predicted.moved_bytes > 0
+        assert free.hybrid.predicted.moved_bytes > 0 and free.hybrid.counts()[2] < 6
         limit = free.hybrid.predicted.moved_bytes // 2
         modes.host_limit = limit + 4096 * len(free.hybrid.profile.spans)   # pages: see _make
         modes._make(key)
@@ -101,11 +111,12 @@ def test_the_mode_plan_keeps_its_copies_within_the_host_limit_and_warns_when_non
         assert planned.predicted.moved_bytes <= limit
         assert planned.counts()[2] > free.hybrid.counts()[2]
         step()
-        assert eng.last_step.block_modes == planned.counts()
+        # (one block may run selective once, to measure it, where the plan says full)
+        assert eng.last_step.block_modes[0] == planned.counts()[0]
         step()
 
 
-def test_one_warning_when_no_mix_keeps_its_copies_within_host_room(case):
+def test_one_warning_when_no_mix_keeps_its_copies_within_host_room(case, steady_clock):
     """A budget so small that even recomputing every block copies block inputs out: with no
     host room at all, one warning names host_memory_limit and what the least-moving mix would
     copy; the plan is the one that moves least."""
