@@ -196,7 +196,7 @@ def run_scenario(name: str, a, device: torch.device, advance) -> dict:
             "plan_overrides": sum(v.plan_overrides for v in s),
             "forced_offloads": sum(v.forced_offloads for v in s),
             "profiler_share_median": C.median(v.profiler_seconds / v.step_seconds
-                                              for v in s if v.step_seconds > 0),
+                                              for v in s if (v.step_seconds or 0) > 0),
             "step_s": times[p]}
     res["none_step_s"] = times["none"]
     return res

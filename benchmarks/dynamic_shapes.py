@@ -18,7 +18,8 @@ shape scaled down) twice, side by side in one process:
 
 After the schedule, each mode runs ``--steady`` more steps of every length; their median is that
 length's steady step. Per schedule step it reports: step time as a multiple of the same mode's
-steady step of that length, ``host_allocated_bytes`` and ``host_wait_seconds`` (from StepStats),
+steady step of that length, ``host_allocated_bytes``, ``host_wait_seconds`` and
+``host_deferred_moves`` (copy-outs put off because no host buffer was ready; from StepStats),
 and the wait as a fraction of the step's compute (the ``none`` steady step of that length). Then
 the schedule's total against ``none``'s.
 
@@ -132,6 +133,7 @@ def run_mode(mode: str, model, cfg: dict, a, device, budget) -> dict:
         return dict(length=T, seconds=dt, loss=float(loss),
                     host_allocated_bytes=s.host_allocated_bytes if s else 0,
                     host_wait_seconds=s.host_wait_seconds if s else 0.0,
+                    host_deferred_moves=s.host_deferred_moves if s else 0,
                     offloaded_bytes=s.offloaded_bytes if s else 0)
 
     eng = cs.Chameleon(budget, device=device) if mode != "none" else None
@@ -174,6 +176,7 @@ def main(argv=None) -> dict:
                    host_allocated_bytes=s["host_allocated_bytes"],
                    host_wait_seconds=s["host_wait_seconds"],
                    wait_over_compute=s["host_wait_seconds"] / compute,
+                   host_deferred_moves=s["host_deferred_moves"],
                    offloaded_bytes=s["offloaded_bytes"],
                    # Against swap's steady step: inline's own "steady" steps can wait as well
                    # (a slab grown in the step is trimmed at its end and grown again).
@@ -184,7 +187,7 @@ def main(argv=None) -> dict:
         per_step.append(row)
         table.append([i, T, row["none_x_steady"], row["swap_x_steady"],
                       row["host_allocated_bytes"] / 2**20, row["host_wait_seconds"] * 1e3,
-                      row["wait_over_compute"], row["inline_x_steady"],
+                      row["wait_over_compute"], row["host_deferred_moves"], row["inline_x_steady"],
                       row["inline_host_wait_seconds"] * 1e3,
                       "yes" if row["losses_identical"] else "no"])
     total_none = sum(r["seconds"] for r in none["rows"])
@@ -209,7 +212,7 @@ def main(argv=None) -> dict:
                    summary=summary)
     md = ("# dynamic_shapes\n\n" + C.markdown_table(
         ["step", "length", "none x steady", "swap x steady", "host alloc MiB", "host wait ms",
-         "wait / compute", "inline x swap steady", "inline wait ms", "losses identical"], table)
+         "wait / compute", "deferred", "inline x swap steady", "inline wait ms", "losses identical"], table)
           + f"\nTotal: swap {total_swap:.3f} s, none {total_none:.3f} s "
             f"({summary['total_ratio']:.2f}x); swap inline {total_inline:.3f} s "
             f"({summary['total_inline_ratio']:.2f}x). Max wait / compute after the first step: "

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import time
 import weakref
 from typing import Iterator, Optional, Union
 
@@ -32,7 +31,7 @@ from .runtime.stats import StepHistory, StepStats, StepTotals
 from .policy import make_policy
 from .policy.memory import DeviceMemoryBudget
 from .runtime.profiler import Profiler
-from .runtime.step_end import finish_step
+from .runtime.step_end import StepTimer, begin_timing, finish_step
 
 
 class Chameleon:
@@ -182,6 +181,7 @@ class Chameleon:
         self._saved_hooks: tuple = ()             # (pack, unpack, their eager wrappers)
         self.history: StepHistory = StepHistory(self.config.history_size)
         self.totals = StepTotals()
+        self._timer = StepTimer(self.device)       # step_seconds from events, a step late
         self._in_step = False
         self._owner: dict = {}                    # "step": (thread id, token) of the open step
         self._step_hooks: Optional[tuple] = None  # this step's (pack, unpack) hooks
@@ -304,6 +304,7 @@ class Chameleon:
         self._hooks = []
         self._copy.close()
         self._pool.close()
+        self._timer.resolve(self.totals)         # the last steps' times, if their ends completed
         self._closed = True
 
     # ------------------------------------------------------------------ one iteration
@@ -340,7 +341,7 @@ class Chameleon:
             self._module_starts = []
             self._host_allocated_at_start = self._pool.allocated_bytes
             self._host_wait_at_start = self._pool.wait_seconds
-            t0 = time.perf_counter()
+            t0 = begin_timing(self, budget)
             failed = oom = False
             self._step_hooks = self._saved_tensor_hooks()
             try:

@@ -256,3 +256,24 @@ def test_what_a_move_costs_the_host_reaches_the_mode_search():
     free = simulate(fast, Plan(keep_plan.move, keep_plan.fetch_at), budget)
     assert keep_plan.predicted.total_seconds == pytest.approx(
         free.total_seconds + 5e-3 * (len(keep_plan.move) + free.forced_offloads))
+
+
+# --------------------------------------------------------------------------- host room
+def test_a_host_limit_below_what_swapping_moves_makes_the_search_recompute():
+    """Issue 19, item 3: on a fast link keep + swap wins, copying out most of the step; with
+    host room for a fraction of that, the search keeps its copies within the room and
+    recomputes the rest, and with no room for any mix it moves the least it can."""
+    fast, blocks = keep_view(bw=1e13)
+    budget = unmoved_peak(fast) // 3
+    free = plan_hybrid(fast, blocks, budget)
+    assert free.modes == ("keep",) * 4 and free.predicted.moved_bytes > 4 * MB
+    limit = free.predicted.moved_bytes // 2
+    hp = plan_hybrid(fast, blocks, budget, host_limit=limit)
+    assert hp.predicted.moved_bytes <= limit and hp.predicted.budget_ok
+    assert hp.counts()[0] < 4                       # more recomputed blocks
+    assert plan_hybrid(fast, blocks, budget, host_limit=10**15).modes == free.modes
+    tight = plan_hybrid(fast, blocks, budget, host_limit=0)
+    assert tight.predicted.moved_bytes > 0          # no mix moves nothing ...
+    full = plan_hybrid(apply_modes(fast, blocks, full_recompute_modes(blocks)),
+                       [Block(0, 0, 0.0, 0)] * 0, budget)
+    assert tight.predicted.moved_bytes <= full.predicted.moved_bytes   # ... the least it can

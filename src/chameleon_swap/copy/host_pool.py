@@ -151,6 +151,10 @@ class _Slab:
                 return start
         return None
 
+    def fits(self, n: int) -> bool:
+        """Whether ``take(n)`` would find a free range (takes nothing)."""
+        return self.free_bytes >= n and any(length >= n for length in self._free.values())
+
     def give(self, start: int, n: int) -> None:
         """Return ``[start, start + n)``, merged with free neighbours on either side."""
         i = bisect.bisect_left(self._starts, start)
@@ -328,6 +332,33 @@ class HostPool:
             if self.ahead:
                 self._keep_ahead_locked()
             return buf
+
+    def ready(self, nbytes: int) -> bool:
+        """Whether ``acquire(nbytes)`` would find a free range now, without allocating or
+        waiting (always, where allocating is fast: plain RAM, no testing delay). Never blocks
+        (it allocates nothing on the calling thread): a step asks it
+        before a copy-out the budget does not need yet, and moves that tensor later if the
+        answer is no (issue 19: a step that would have waited moves less). With ``ahead`` a
+        no also asks the background thread for room, so a later save finds it ready. True
+        where ``acquire`` would fail at once instead (a closed arena, a reserve that could not
+        be allocated), so the error is reported where it was before."""
+        if self._reserve_error is not None or not (self.pin or self.alloc_delay_s_per_gib):
+            return True     # (plain RAM: allocating is a malloc, nothing worth putting off)
+        if not self._reserved.is_set():
+            return False                      # the reserve slab is still being allocated
+        n = align_up(nbytes)
+        with self._lock:
+            if self._closed:
+                return True
+            if any(slab.fits(n) for slab in self._slabs):
+                return True
+            # Wanted, if not used: the step's end keeps room for it rather than trimming it.
+            self._step_peak = max(self._step_peak, self.in_use_bytes + n)
+            if self.ahead and self._pending < n:     # none on its way could hold it
+                self._largest = max(self._largest, n)
+                self._ask_locked(max(self._target, self.reserved_bytes + self._pending
+                                     + max(n, 2 * self._largest)))
+            return False
 
     def _count_waited_locked(self, slab: "_Slab") -> None:
         """A background slab an acquire had to wait for was on the step's critical path."""

@@ -85,7 +85,8 @@ def figures(stats: Iterable) -> dict:
         "moved_back_bytes": sum(s.prefetched_bytes + s.fetched_bytes for s in stats),
         "sync_fetches": sum(s.sync_fetches for s in stats),
         "stall_seconds": sum(s.stall_seconds for s in stats),
-        "step_seconds": sum(s.step_seconds for s in stats),
+        # Steps whose device-inclusive time is not known yet (None) are left out of the sum.
+        "step_seconds": sum(s.step_seconds for s in stats if s.step_seconds is not None),
     }
     if stats[-1].budget_bytes is not None:
         out["budget_bytes"] = stats[-1].budget_bytes

@@ -29,6 +29,12 @@ planner on each and keeps the least predicted time under the budget. The uniform
 all selective where measured, all full) are always among the candidates, so the result is never
 predicted slower than any of them (as the search plans their swaps) where it fits. When no mix fits, the one with
 the smallest peak is chosen (the policy then warns), never the one that keeps everything.
+
+Host memory is bounded too (``host_limit``: the room of the host arena, ``host_memory_limit``):
+every byte a plan copies out holds a host buffer until backward releases its tensor, so a mix
+whose predicted copies (``moved_bytes``) exceed it would fail the step. Such mixes rank after
+every mix within host room, the least over first: the search recomputes more instead. When no
+mix keeps its copies within host room, the one that moves least is chosen (the policy warns).
 """
 from __future__ import annotations
 
@@ -166,8 +172,10 @@ def full_recompute_modes(blocks: Sequence[Block]) -> tuple[str, ...]:
 
 
 def plan_hybrid(profile: Profile, blocks: Sequence[Block], budget: Optional[int], *,
-                max_evals: Optional[int] = None) -> HybridPlan:
-    """Block modes and swap set with the least predicted step time under ``budget``.
+                max_evals: Optional[int] = None,
+                host_limit: Optional[int] = None) -> HybridPlan:
+    """Block modes and swap set with the least predicted step time under ``budget``, copying
+    out at most ``host_limit`` bytes where any mix can (None: host memory is not bounded).
 
     Nothing is recomputed or moved when the keep view's unmoved peak fits. ``max_evals`` bounds
     the swap planner's simulations for the final plan (its default otherwise)."""
@@ -179,7 +187,7 @@ def plan_hybrid(profile: Profile, blocks: Sequence[Block], budget: Optional[int]
     # within it: the runtime runs it keep (``BlockModes.mode``), so the search does too.
     blocks = [replace(b, eligible=False) if b.eligible and working_set(profile, b) > budget
               else b for b in blocks]
-    search = _ModeSearch(profile, blocks, budget)
+    search = _ModeSearch(profile, blocks, budget, host_limit)
     best = search.run()
     # The search compared quick swap plans, the three uniform mixes (swap only, all selective
     # where measured, all full) always among them, so the winner's is never above theirs where
@@ -226,8 +234,10 @@ class _ModeSearch:
     all full, all selective (where measured), and full for the first blocks with selective for
     the rest. A geometric ladder, then a ternary search around the best rung."""
 
-    def __init__(self, profile: Profile, blocks: Sequence[Block], budget: int) -> None:
+    def __init__(self, profile: Profile, blocks: Sequence[Block], budget: int,
+                 host_limit: Optional[int] = None) -> None:
         self.pr, self.blocks, self.budget = profile, list(blocks), budget
+        self.host_limit = host_limit
         self.order = conversion_order(profile, blocks)
         self.views: dict[tuple, Profile] = {}
         self.plans: dict[tuple, Plan] = {}
@@ -240,12 +250,15 @@ class _ModeSearch:
         return v
 
     def key(self, pred: Prediction, modes: tuple) -> tuple:
-        # A mix that fits beats one that does not; among those that do not, the smallest peak
-        # (never quietly everything kept); then the least predicted time.
+        # A mix whose copies fit the host room beats one whose do not (that one would fail the
+        # step), the least over first; then a mix that fits the budget beats one that does not;
+        # among those that do not, the smallest peak (never quietly everything kept); then the
+        # least predicted time.
+        host_over = 0 if self.host_limit is None else max(0, pred.moved_bytes - self.host_limit)
         recomputed = sum(m != "keep" for m in modes)
         over = 0 if pred.budget_ok else pred.peak_bytes
-        return (not pred.budget_ok, over, round(pred.total_seconds / self.scale, 9), recomputed,
-                pred.moved_bytes)
+        return (host_over, not pred.budget_ok, over, round(pred.total_seconds / self.scale, 9),
+                recomputed, pred.moved_bytes)
 
     def uniform(self) -> list:
         """The uniform mixes: swap only, all selective (where measured), all full."""

@@ -7,7 +7,8 @@ The guard is the safety net under the others.
 
 Owns the per-step decisions: which record moves, when it comes back, and whether a block is kept,
 swapped or recomputed (``guard.py``, ``chameleon.py``, ``static.py``, ``schedule.py``,
-``block_modes.py``, the memory cap in ``memory.py``), and the closed loop that checks every plan
+``block_modes.py``, blocks recomputed when the host arena is short in ``host_room.py``, the
+memory cap in ``memory.py``), and the closed loop that checks every plan
 against the step it ran and corrects the model when it misses (``checks.py``).
 
 May import: ``config``, ``runtime/`` (the executor it drives, the profile it reads), ``planning/``

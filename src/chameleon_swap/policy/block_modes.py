@@ -19,6 +19,10 @@ size.
   the ratios used for every block of the model from then on, and every key is planned again.
 * The guard holds the budget underneath whatever the plan says: a plan made for another size
   costs speed, never the budget.
+* Host room (``host_limit``: ``host_memory_limit``). Plans copy out at most what the host arena
+  can hold (``plan_hybrid(host_limit=...)``), recomputing more instead; when no mix can, one
+  warning says so. A block whose plan keeps it while the arena has no room left for what
+  keeping it would move runs full instead (``run_full``, asked by the policy at its start).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 from ..config import format_bytes
+from ..copy.host_pool import ALIGN
 from ..planning.modes import Block, HybridPlan, plan_hybrid, working_set
 from ..planning.signatures import step_size
 from ..planning.timeline import Profile, Span
@@ -75,6 +80,8 @@ class BlockModes:
         self.margin: dict[int, int] = {}                # per key: bytes the model missed (kept
                                                         # off the budget it plans for)
         self.warned_budgets: set = set()
+        self.host_limit: Optional[int] = None           # host_memory_limit (set by the policy)
+        self.warned_host = False
         self.stale: set = set()                         # keys to plan again (the link changed)
         self.begin_step(None)
 
@@ -87,6 +94,7 @@ class BlockModes:
         self.probing: Optional[int] = None
         self.pending: dict[int, int] = {}   # blocks run recomputed whose recompute has not begun:
                                             # the bytes it holds beside the block's inputs
+        self.forced: dict[int, int] = {}    # blocks run full for host room: their working sets
 
     def ahead(self) -> int:
         """Room copies back must leave this step: the largest recompute still to come."""
@@ -157,11 +165,21 @@ class BlockModes:
         if key in self.plans:
             self.plans[key].replanned = True
 
+    def run_full(self, b: int, estimate: int, input_bytes: int) -> str:
+        """Block ``b`` runs full although its plan keeps it (no host room for what keeping it
+        would move); ``estimate``: the bytes it would save kept, its working set where no
+        plan or keep view gives one."""
+        ws = max(self._working_set(b), estimate)
+        self.forced[b] = ws
+        self.pending[b] = max(0, ws - input_bytes)
+        return "full"
+
     def working_set(self, b: int) -> int:
         """Bytes a recompute of block ``b`` re-creates, scaled to this step's size (asked when
         its recompute begins)."""
         self.pending.pop(b, None)
-        return self._working_set(b)
+        forced = self.forced.pop(b, None)
+        return forced if forced is not None else self._working_set(b)
 
     def _working_set(self, b: int) -> int:
         p = self.plan
@@ -287,7 +305,10 @@ class BlockModes:
         prof = replace(view.profile, d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d,
                        move_seconds=self.move_fn())
         blocks = [self._with_selective(prof, blk) for blk in view.blocks]
-        hp = plan_hybrid(prof, blocks, self.budget - self.margin.get(key, 0))
+        # Host room: the limit less a page per span (every host buffer takes whole pages).
+        host = (None if self.host_limit is None
+                else max(0, self.host_limit - ALIGN * len(prof.spans)))
+        hp = plan_hybrid(prof, blocks, self.budget - self.margin.get(key, 0), host_limit=host)
         modes = dict(zip(view.block_ids, hp.modes))
         self.plans[key] = ModePlan(modes, dict(zip(view.block_ids, hp.working_set)),
                                    view.input_bytes, self.budget, measured, hp, key=key,
@@ -305,6 +326,16 @@ class BlockModes:
                 f" and forces {pred.forced_offloads} copies. It runs that mix, and the guard "
                 f"holds the budget by waiting for copies; raise the budget above that peak for "
                 f"full speed", RuntimeWarning, stacklevel=2)
+        if host is not None and pred.moved_bytes > host and not self.warned_host:
+            self.warned_host = True
+            k, sel, full = hp.counts()
+            warnings.warn(
+                f"chameleon-swap: no mix of kept, swapped and recomputed blocks keeps its copies "
+                f"within host_memory_limit={format_bytes(self.host_limit)} for this step size: "
+                f"the one that moves least (keep {k}, selective {sel}, full {full}) would copy "
+                f"{format_bytes(pred.moved_bytes)} to host memory. Blocks run full when the host "
+                f"arena has no room left, and a step may still fail with HostMemoryError; raise "
+                f"host_memory_limit or the budget", RuntimeWarning, stacklevel=2)
         if (not self._probed and self._probe is None and self.sel_bytes_ratio is None
                 and "full" in hp.modes):
             # The last full block in forward order: its kept outputs are held the shortest

@@ -28,6 +28,7 @@ from typing import Optional
 from ..runtime.executor import HOST, OFFLOADING, RESIDENT, Executor, Record
 from .guard import GuardPolicy
 from .block_modes import BlockModes
+from .host_room import HostRoom
 from .checks import PlanChecks, check_step
 from ..planning.cache import DEFAULT_PLAN_CACHE_SIZE, PlanCache, PlanEntry, compile_plan
 
@@ -48,6 +49,9 @@ class ChameleonPolicy:
         # Block modes (keep / selective / full) when the engine was given a model.
         self.checks = PlanChecks()          # every plan checked against the step it ran
         self.modes = BlockModes(lambda: self.link(), self.checks.move_seconds)
+        pool = getattr(ex, "pool", None)
+        self.modes.host_limit = getattr(pool, "limit_bytes", None)
+        self.host_room = HostRoom(ex)       # blocks run full when the host arena is short
         self.step_no = 0
         self._want_detail = True            # the very first step is timed
         self._prev_sig: Optional[str] = None
@@ -278,6 +282,7 @@ class ChameleonPolicy:
 
     def end_step(self, profile=None) -> None:
         self.guard.end_step()
+        self.host_room.end_step()
         applied = self._applied
         source = "guard"
         predicted = predicted_stall = None
@@ -335,6 +340,11 @@ class ChameleonPolicy:
         loss) wait to be copied out at forward's end, where nothing hides a copy, and an
         all-full mix then cost what swapping did."""
         mode = self.modes.mode(b, input_bytes)
+        room = self.host_room
+        room.block_starts()
+        if mode != "full" and room.short(b, input_bytes, len(self.modes.eligible)):
+            mode = self.modes.run_full(b, room.saved_bytes(input_bytes), input_bytes)
+        room.started(mode, input_bytes)
         self.ex.recompute_reserve = self.modes.ahead()
         return mode
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import deque
 from time import perf_counter
 from typing import Optional
 
@@ -73,6 +74,11 @@ class Executor:
         self._settled_moves = 0                  # self.moves at the last settle()
         self.recount = False                     # one escaped a release: recount at settle()
         self.recount_lean = None                 # resident.py's recount of its handle-less records
+        # Copy-outs the budget did not need yet, put off while no host buffer was ready (see
+        # offload), oldest first; and those of them started later, whose bytes the budget waits on.
+        self._deferred: deque = deque()
+        self._deferred_out: deque = deque()
+        self._optional = False                   # in after_save: copy-outs the budget can spare
         interrupts.watch(self)
 
     # ------------------------------------------------------------------ step boundaries
@@ -84,6 +90,9 @@ class Executor:
             self._earlier = set(self.live)
             self.budget = budget
             self.recompute_reserve = 0
+            self._deferred.clear()
+            self._deferred_out.clear()
+            self._optional = False
             self.next_index = 0
             self.stats = StepCounters()
             self.stats.peak_resident_bytes = self.resident_bytes
@@ -94,6 +103,8 @@ class Executor:
             if failed:
                 self._release_step("its step ended with an exception")
             self.in_step = False
+            self._deferred.clear()           # still resident: backward uses them in place
+            self._deferred_out.clear()
             if self.budget is not None:      # with none, the copy engine was never used
                 self.copy.synchronize()
             self._protected = {}
@@ -222,7 +233,11 @@ class Executor:
             rec.handles.append(weakref.ref(h))    # _attach, for a record known to be resident
             rec.live = 1
             if budgeted and nbytes > 0:
+                if self._deferred:
+                    self._move_deferred(nbytes)
                 self.policy.make_room(rec)
+                if self._deferred_out:
+                    self._wait_deferred(self.budget - self.recompute_reserve - nbytes)
                 if self.resident_bytes + nbytes > self.budget:
                     # The policy could not make room: keep the promise by copying it out now.
                     self.stats.forced_offloads += 1
@@ -230,7 +245,12 @@ class Executor:
                     self.wait_offload(rec)
                     return h
             self._count(rec)
-            self.policy.after_save(rec)
+            # Within the budget with this save: what the policy moves now can wait (offload).
+            self._optional = True
+            try:
+                self.policy.after_save(rec)
+            finally:
+                self._optional = False
             return h
 
     def _attach(self, rec: Record, h: Handle) -> None:
@@ -256,9 +276,22 @@ class Executor:
                 self.inflight_out_bytes -= rec.nbytes
 
     # ------------------------------------------------------------------ moves (asked by policies)
-    def offload(self, rec: Record) -> None:
-        """Start copying a resident record to host; it stays counted until the copy completes."""
+    def offload(self, rec: Record) -> bool:
+        """Start copying a resident record to host; it stays counted until the copy completes.
+
+        A copy-out a policy asks for in ``after_save`` (resident bytes are within the budget
+        with this save) is not needed yet. If no host buffer is ready for it
+        (``HostPool.ready``), starting it would wait for host memory to be allocated: it is put
+        off instead (False; ``host_deferred_moves``), the record stays resident and counted,
+        and it is moved at a later save, once a buffer is ready or the budget needs its bytes
+        (``_move_deferred``; waiting is allowed then). A step that would have waited moves less
+        and does not stall (issue 19)."""
         assert rec.state == RESIDENT, rec.state
+        if self._optional and not self.pool.ready(rec.nbytes):
+            if rec not in self._deferred:
+                self._deferred.append(rec)
+                self.stats.host_deferred_moves += 1
+            return False
         t0 = self._now()
         if rec.ready is UNMARKED:
             raise RuntimeError(f"chameleon-swap: internal error: record {rec.index} was saved in a "
@@ -285,6 +318,35 @@ class Executor:
         self.stats.offloaded_tensors += 1
         self.copy.defer(rec.out_ticket, lambda: self._offloaded(rec, keep))
         self._moved(t0, True)
+        return True
+
+    def _move_deferred(self, nbytes: int) -> None:
+        """Start the copy-outs put off earlier (``offload``), oldest first: those the budget
+        needs to make room for ``nbytes`` more, waiting for host memory if it must, then, in
+        forward, any whose host buffer is ready now. Called at a save (or hold), before the
+        policy makes room."""
+        target = self.budget - self.recompute_reserve - nbytes
+        forward = self.profiler is None or not self.profiler.used
+        queue = self._deferred
+        while queue:
+            rec = queue[0]
+            if rec.state != RESIDENT or not rec.counted or rec.used:
+                queue.popleft()                # released, moved, or needed by backward already
+                continue
+            if self.resident_bytes - self.inflight_out_bytes <= target and \
+                    not (forward and self.pool.ready(rec.nbytes)):
+                return
+            queue.popleft()
+            self.offload(rec)
+            self._deferred_out.append(rec)
+
+    def _wait_deferred(self, target: int) -> None:
+        """Wait for the put-off copy-outs started for room (oldest first) until the resident
+        bytes are at most ``target``: the policy's own waits do not know of them."""
+        while self.resident_bytes > target and self._deferred_out:
+            rec = self._deferred_out.popleft()
+            if rec.state == OFFLOADING and not rec.out_ticket.done():
+                self.wait_offload(rec)
 
     def _now(self) -> float:
         now = getattr(self.profiler, "now", None)    # the tests' stand-ins may lack it
@@ -509,7 +571,11 @@ class Executor:
                 # device copies that are still valid on the host (no copy needed).
                 need = _Need(nbytes)
                 if self.profiler is None or not self.profiler.used:
+                    if self._deferred:
+                        self._move_deferred(nbytes)
                     self.policy.make_room(need)
+                    if self._deferred_out:
+                        self._wait_deferred(self.budget - self.recompute_reserve - nbytes)
                 else:
                     self.policy.make_room_backward(need)
             token = self._next_hold

@@ -152,7 +152,8 @@ class _Need:
 class StepCounters:
     __slots__ = ("saved_bytes", "skipped_bytes", "foreign_bytes", "offloaded_bytes", "offloaded_tensors",
                  "prefetched_bytes", "fetched_bytes", "sync_fetches", "late_prefetches",
-                 "budget_waits", "forced_offloads", "kept_bytes", "peak_resident_bytes")
+                 "budget_waits", "forced_offloads", "kept_bytes", "peak_resident_bytes",
+                 "host_deferred_moves")
 
     def __init__(self) -> None:
         for name in self.__slots__:

@@ -15,11 +15,14 @@ from ..config import format_bytes
 
 @dataclasses.dataclass
 class StepStats:
-    """What one ``eng.step()`` did. Bytes are bytes; seconds are wall-clock. On CUDA a step with
-    a budget, or a timed (detailed) one, ends with a synchronization, so its ``step_seconds``
-    include the device's work (the planner scales its slot estimates by it); a step with no
-    budget needs no figure from the device and does not stall the host: its ``step_seconds``
-    are the host's time only, and the device may still be running its tail."""
+    """What one ``eng.step()`` did. Bytes are bytes; seconds are wall-clock. ``step_seconds`` is
+    always the step's device-inclusive time, or None while it is not known: on the CPU, and on
+    CUDA for a step with a budget or a timed (detailed) one, the step ends with a
+    synchronization and it is the measured wall time (the planner scales its slot estimates by
+    it); on CUDA a step with no budget does not stall the host, and its time comes from CUDA
+    events recorded at its start and end, read without synchronizing when a later step ends (or
+    at ``close()``): until then, or if the end never completed in time, None. ``host_seconds``
+    is what the host spent in the step, on every path."""
 
     step: int
     budget_bytes: Optional[int]        # this step's activation budget (None: unlimited)
@@ -33,9 +36,10 @@ class StepStats:
     late_prefetches: int               # of which: prefetched, but not early enough
     budget_waits: int                  # times a save had to wait for a copy-out to finish
     stall_seconds: float               # compute time lost waiting for copies
-    step_seconds: float
+    step_seconds: Optional[float]      # device-inclusive; None: not known (yet), see above
     host_peak_bytes: int               # host buffer bytes in use at most (arena, all steps)
     skipped_bytes: int                 # parameters/buffers saved: never moved, not counted
+    host_seconds: float = 0.0          # the host's time in the step (= step_seconds if synced)
     peak_device_bytes: Optional[int] = None   # CUDA max_memory_allocated, with device_memory_limit
     # With device_memory_limit (None otherwise): the budget is what the limit leaves once the
     # step's non-activation memory (logits, gradients, workspaces: the transient) is predicted.
@@ -71,6 +75,9 @@ class StepStats:
     host_wait_seconds: float = 0.0     # time the step waited for host memory: a slab allocated
                                        # on its own thread, or one on its way from the
                                        # background thread or host_memory_reserve
+    host_deferred_moves: int = 0       # copy-outs the budget did not need yet, put off because no
+                                       # host buffer was ready (the step would have waited for one):
+                                       # moved at a later save, or kept resident
     # Recomputation (with model=): blocks run keep, selective or full this step.
     recomputed_bytes: int = 0          # activation bytes not kept because their block recomputes
     recompute_seconds: float = 0.0     # measured forward time repeated in backward
@@ -89,7 +96,8 @@ class StepStats:
                  f"back {format_bytes(self.prefetched_bytes + self.fetched_bytes)}",
                  f"sync {self.sync_fetches}",
                  f"stall {self.stall_seconds * 1e3:.1f} ms",
-                 f"step {self.step_seconds * 1e3:.1f} ms"]
+                 "step " + ("?" if self.step_seconds is None
+                            else f"{self.step_seconds * 1e3:.1f} ms")]
         if self.peak_device_bytes is not None:
             parts.append(f"device peak {format_bytes(self.peak_device_bytes)}")
         if self.block_modes:
@@ -147,18 +155,23 @@ class StepTotals:
     forced_offloads: int = 0
     recomputed_bytes: int = 0
     stall_seconds: float = 0.0
-    step_seconds: float = 0.0
+    step_seconds: float = 0.0              # steps whose time is known (see StepStats)
+    host_seconds: float = 0.0
     profiler_seconds: float = 0.0
     peak_resident_bytes: int = 0           # the most of any step
     host_wait_seconds: float = 0.0
+    host_deferred_moves: int = 0
 
     def add(self, st) -> None:
         self.steps += 1
         self.failed_steps += bool(st.failed)
         for name in ("saved_bytes", "offloaded_bytes", "prefetched_bytes", "fetched_bytes",
                      "sync_fetches", "forced_offloads", "recomputed_bytes", "stall_seconds",
-                     "step_seconds", "profiler_seconds", "host_wait_seconds"):
+                     "host_seconds", "profiler_seconds", "host_wait_seconds",
+                     "host_deferred_moves"):
             setattr(self, name, getattr(self, name) + getattr(st, name))
+        if st.step_seconds is not None:      # else added when known (StepTimer.resolve)
+            self.step_seconds += st.step_seconds
         self.peak_resident_bytes = max(self.peak_resident_bytes, st.peak_resident_bytes)
 
     def as_dict(self) -> dict:

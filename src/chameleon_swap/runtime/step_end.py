@@ -3,13 +3,21 @@
 ``finish_step`` runs in the engine's ``step()`` ``finally``, whether the step ended normally or
 by an exception. Interrupted anywhere in here, the next step's start (or ``close()``) finishes the
 job (``Executor.settle``).
+
+A step's time (``StepTimer``): a step that ends with a synchronization (the CPU, a budget, a timed
+step) measures its wall time, device included. On CUDA a step with no budget does not wait for the
+device, so its wall time would be the host's only: instead CUDA events are recorded at its start and
+end, and its ``step_seconds`` are filled in from them at a later step's end (or ``close()``), once
+the end event has completed (``Event.query``: no synchronization). Until then, and for good if it
+never completes in time, ``step_seconds`` is None; ``host_seconds`` is always the host's time.
 """
 from __future__ import annotations
 
 import logging
 import time
 import warnings
-from typing import Optional
+from collections import deque
+from typing import Callable, Optional
 
 import torch
 
@@ -32,9 +40,11 @@ def finish_step(eng, t0: float, budget: Optional[int], failed: bool,
         if eng.device.type == "cuda" and eng._memory is not None:
             memory = _end_memory_step(eng, counters, failed, oom)
         calls = eng._runner.end_step(failed) if eng._runner is not None else []
-        step_seconds = time.perf_counter() - t0
+        host_seconds = time.perf_counter() - t0
+        # Synchronized, the wall time is the step's own; else it comes from events, a step late.
+        step_seconds = None if eng._timer.lagging else host_seconds
         stalls = eng._copy.take_stalls()
-        profile = eng._profiler.finish(step_seconds, stalls)
+        profile = eng._profiler.finish(host_seconds, stalls)
         profile.blocks = calls
         profile.extra["link"] = eng._copy.take_link()
         changed = _sequence_changed(eng, profile.ids)
@@ -48,7 +58,7 @@ def finish_step(eng, t0: float, budget: Optional[int], failed: bool,
             prefetched_bytes=counters.prefetched_bytes, fetched_bytes=counters.fetched_bytes,
             sync_fetches=counters.sync_fetches, late_prefetches=counters.late_prefetches,
             budget_waits=counters.budget_waits, stall_seconds=float(sum(s for _, s in stalls)),
-            step_seconds=step_seconds, host_peak_bytes=eng._pool.peak_in_use_bytes,
+            step_seconds=step_seconds, host_seconds=host_seconds, host_peak_bytes=eng._pool.peak_in_use_bytes,
             skipped_bytes=counters.skipped_bytes, failed=failed, **memory,
             sequence_changed=changed, plan_source=report["plan_source"],
             predicted_stall_seconds=report["predicted_stall_seconds"],
@@ -59,9 +69,11 @@ def finish_step(eng, t0: float, budget: Optional[int], failed: bool,
             forced_offloads=counters.forced_offloads, kept_bytes=counters.kept_bytes,
             host_allocated_bytes=eng._pool.allocated_bytes - eng._host_allocated_at_start,
             host_wait_seconds=eng._pool.wait_seconds - eng._host_wait_at_start,
+            host_deferred_moves=counters.host_deferred_moves,
             **block_stats(calls, eng._runner is not None))
         eng.history.append(stats)
         eng.totals.add(stats)
+        eng._timer.end(stats, eng.totals)
         log.info("%s", stats)
         if eng._trace_dir is not None and not failed:
             _write_trace(eng, profile, stats)
@@ -82,6 +94,65 @@ def _sequence_changed(eng, ids: list) -> bool:
             eng.config.length_tolerance, eng.config.min_similarity)
     eng._prev_ids = ids
     return changed
+
+
+class StepTimer:
+    """Device-inclusive step times without synchronizing (see the module docstring).
+
+    ``begin(timed)`` at the step's start records a start event when ``timed`` (a CUDA step whose
+    end will not synchronize) and returns the host clock; ``end(stats, totals)`` records the end
+    event and fills in ``step_seconds`` of every earlier step whose end event has completed,
+    oldest first, adding them to ``totals``. At most ``MAX_PENDING`` steps wait for their events;
+    older ones keep ``step_seconds=None``."""
+
+    MAX_PENDING = 64
+
+    def __init__(self, device: torch.device, new_event: Optional[Callable] = None,
+                 stream: Optional[Callable] = None) -> None:
+        self._new_event = new_event or (lambda: torch.cuda.Event(enable_timing=True))
+        self._stream = stream or (lambda: torch.cuda.current_stream(device))
+        self._start = None
+        self._pending: deque = deque()      # (StepStats, start event, end event), oldest first
+
+    @property
+    def lagging(self) -> bool:
+        """The step under way is timed by events (its ``step_seconds`` come later)."""
+        return self._start is not None
+
+    def begin(self, timed: bool) -> float:
+        self._start = None
+        if timed:
+            start = self._new_event()
+            start.record(self._stream())
+            self._start = start
+        return time.perf_counter()
+
+    def end(self, stats, totals) -> None:
+        start, self._start = self._start, None
+        if start is not None:
+            end = self._new_event()
+            end.record(self._stream())
+            self._pending.append((stats, start, end))
+            if len(self._pending) > self.MAX_PENDING:
+                self._pending.popleft()     # never read: its step_seconds stay None
+        self.resolve(totals)
+
+    def resolve(self, totals) -> None:
+        """Fill in the steps whose end event has completed (in stream order: stop at the first
+        that has not)."""
+        while self._pending:
+            stats, start, end = self._pending[0]
+            if not end.query():
+                return
+            self._pending.popleft()
+            stats.step_seconds = start.elapsed_time(end) / 1e3     # ms -> s
+            totals.step_seconds += stats.step_seconds
+
+
+def begin_timing(eng, budget: Optional[int]) -> float:
+    """The step's start on the host clock; on CUDA, a step that will not synchronize at its end
+    records a start event too."""
+    return eng._timer.begin(eng.device.type == "cuda" and not needs_sync(eng, budget))
 
 
 def needs_sync(eng, budget: Optional[int]) -> bool:

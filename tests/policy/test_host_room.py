@@ -1,0 +1,144 @@
+"""Out of host memory, with ``model=``, recompute instead (issue 19, item 3).
+
+When what a step would move exceeds ``host_memory_limit``, the engine keeps host bytes within the
+limit and recomputes the rest: the mode search knows the limit (``plan_hybrid(host_limit=)``,
+tested on hand-built views in ``planning/test_modes.py``) and, at run time, a block whose plan
+keeps it while the host arena has no room left for it runs full. Without ``model=`` nothing can
+be recomputed, and ``HostMemoryError`` says so as before."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import chameleon_swap as cs
+from _helpers import assert_bitwise, grads
+from _models import TModel, randn
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+
+@pytest.fixture(scope="module")
+def case():
+    """A 6-block model, its batch and reference gradients, a budget at 30% of its natural peak
+    and the host memory a swap-only engine needs at that budget."""
+    model = TModel(dim=64, n=6, seed=0)
+    x = randn(2, 32, 64, seed=1)
+
+    def run(m):
+        torch.manual_seed(0)                 # dropout: the same mask every time
+        loss = m(x)
+        loss.backward()
+        return loss.detach()
+    ref = copy.deepcopy(model)
+    ref_loss = run(ref)
+    with cs.Chameleon(None, device="cpu", min_tensor_bytes=0) as probe:
+        with probe.step():
+            run(copy.deepcopy(model))
+        budget = int(probe.last_step.peak_resident_bytes * 0.3)
+    with cs.Chameleon(budget, device="cpu", min_tensor_bytes=0) as swap:
+        with swap.step():
+            run(copy.deepcopy(model))
+        need = swap._pool.peak_in_use_bytes
+    return dict(model=model, run=run, ref_loss=ref_loss, ref_grads=grads(ref), budget=budget,
+                need=need)
+
+
+@pytest.fixture
+def steady_clock(monkeypatch):
+    """Every profiler and runner timestamp 50 us after the previous one, and no correction from
+    the wall clock: the plans then depend on the bytes alone (as in test_block_modes.py)."""
+    from chameleon_swap.policy import checks
+    from chameleon_swap.runtime import profiler
+    ticks = iter(range(10**9))
+    monkeypatch.setattr(profiler._CpuClock, "mark", lambda self: next(ticks) * 50e-6)
+    monkeypatch.setattr(checks, "MISSES_TO_REPLAN", 10**9)
+
+
+def _steps(case, n, *, with_model=True, **kwargs):
+    m = copy.deepcopy(case["model"])
+    eng = cs.Chameleon(case["budget"], device="cpu", min_tensor_bytes=0,
+                       **({"model": m} if with_model else {}), **kwargs)
+    with eng:
+        for _ in range(n):
+            m.zero_grad(set_to_none=True)
+            with eng.step():
+                loss = case["run"](m)
+            assert_bitwise(case["ref_loss"], case["ref_grads"], loss, grads(m))
+            assert eng.last_step.peak_resident_bytes <= case["budget"], eng.last_step
+    return eng
+
+
+@pytest.mark.parametrize("share", [0.5, 0.3])
+def test_with_model_a_small_host_limit_recomputes_instead(case, share):
+    limit = int(case["need"] * share)
+    with pytest.raises(cs.HostMemoryError, match="host_memory_limit reached"):
+        _steps(case, 1, with_model=False, host_memory_limit=limit)
+    free = _steps(case, 4)
+    small = _steps(case, 4, host_memory_limit=limit)
+    assert small._pool.peak_in_use_bytes <= limit
+    # The first step has no plan: with room, every block is kept (and its swaps need more
+    # host memory than the limit); without, blocks recompute from the first step on.
+    assert free.history[0].block_modes[2] == 0
+    assert all(s.block_modes[2] > 0 for s in small.history), small.history
+    assert small.history[0].offloaded_bytes < free.history[0].offloaded_bytes
+
+
+def test_the_mode_plan_keeps_its_copies_within_the_host_limit(case, steady_clock):
+    """The host limit reaches the mode search. After a first step with every block kept (a
+    large limit: its keep view is measured), the plans are made again for a smaller limit:
+    they copy out no more than it and recompute more, and the step runs them."""
+    m = copy.deepcopy(case["model"])
+    with cs.Chameleon(case["budget"], device="cpu", min_tensor_bytes=0, model=m) as eng:
+        modes = eng._policy.modes
+
+        def step():
+            m.zero_grad(set_to_none=True)
+            with eng.step():
+                loss = case["run"](m)
+            assert_bitwise(case["ref_loss"], case["ref_grads"], loss, grads(m))
+            assert eng.last_step.peak_resident_bytes <= case["budget"]
+        step()
+        step()
+        (key, free), = modes.plans.items()
+        assert free.hybrid.predicted.moved_bytes > 0 and free.hybrid.counts()[2] < 6
+        limit = free.hybrid.predicted.moved_bytes // 2
+        modes.host_limit = limit + 4096 * len(free.hybrid.profile.spans)   # pages: see _make
+        modes._make(key)
+        planned = modes.plans[key].hybrid
+        assert planned.predicted.moved_bytes <= limit
+        assert planned.counts()[2] > free.hybrid.counts()[2]
+        step()
+        # (one block may run selective once, to measure it, where the plan says full)
+        assert eng.last_step.block_modes[0] == planned.counts()[0]
+        step()
+
+
+def test_with_no_host_room_the_plan_copies_nothing_and_warns_once(case, steady_clock):
+    """A budget so small that even recomputing every block needs copies (70% of the case's:
+    all full then peaks above it): with no host room at all, the plan recomputes and copies
+    nothing, where the plan with room copied, and one warning says that no mix fits the
+    budget. (The host_memory_limit warning is for a least-moving mix that still copies, which
+    this case, since recomputes no longer count their inputs twice, no longer has.)"""
+    m = copy.deepcopy(case["model"])
+    budget = int(case["budget"] * 0.7)
+    with cs.Chameleon(budget, device="cpu", min_tensor_bytes=0, model=m) as eng:
+        for _ in range(2):
+            with eng.step():
+                case["run"](m)
+        modes = eng._policy.modes
+        (key, free), = modes.plans.items()
+        modes.host_limit = 0
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            modes._make(key)
+            modes._make(key)
+        least = modes.plans[key].hybrid
+        assert least.predicted.moved_bytes == 0 and not least.predicted.budget_ok
+        assert least.counts()[2] > 0 and free.hybrid.predicted.moved_bytes > 0
+        # Copying nothing, the mix peaks over the budget: the warning says so, once.
+        said = [str(w.message) for w in got if "chameleon-swap: no mix" in str(w.message)]
+        assert len(said) == 1, said
+        assert "fits the budget" in said[0] and "peaks at" in said[0], said
