@@ -184,7 +184,9 @@ def test_kill_one_agent_and_recover(tmp_path, reference, point):
     for s, rs in losses.items():
         plan = by_attempt[rs[0]["attempt"]]
         assert (rs[0]["budget_bytes"], rs[0]["mode"]) == (plan["budget_bytes"], plan["mode"])
-    assert all(losses[s][0]["offloaded_bytes"] > 0 for s in after)
+    # (Under the survivors' budget the engine moves or recomputes: which, is the planner's.)
+    assert all(losses[s][0]["offloaded_bytes"] + losses[s][0]["recomputed_bytes"] > 0
+               for s in after)
     # Bit for bit the failure-free run from the same checkpoint with the same final layout
     # (which the planner gives the same answer).
     ref_losses, ref_plan = reference(tmp_path, world)
