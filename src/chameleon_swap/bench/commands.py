@@ -26,6 +26,10 @@ WORKLOAD_NAMES = ("llama-varlen", "moe", "layerdrop", "video-dit", "mixed")
 BASELINE_NAMES = ("none", "full-recompute", "selective-recompute", "save-on-cpu", "swap-all",
                   "static", "guard", "chameleon", "hybrid")
 
+# Steps of the demo's comparison with gradient checkpointing (24: with three lengths, the first
+# plans of each and the one made again once selective is measured fall in the first half).
+CHOICE_STEPS = 24
+
 # What --quick sweeps where the command line does not say otherwise, and the full defaults.
 QUICK = dict(workload=["llama-varlen"], baseline=["none", "full-recompute", "chameleon"],
              budget=["30%"], steps=4, warmup=1)
@@ -41,10 +45,10 @@ def configure_demo(p: argparse.ArgumentParser) -> None:
                    "(default: small)")
     p.add_argument("--device", default=None, help="'cpu' or 'cuda[:N]' (default: cuda if "
                    "available, else cpu)")
-    p.add_argument("--choice-steps", type=int, default=12, metavar="N",
+    p.add_argument("--choice-steps", type=int, default=CHOICE_STEPS, metavar="N",
                    help="steps of the comparison with gradient checkpointing (a Hugging Face "
                         "Llama: no engine, gradient checkpointing, swap only, model=); 0 skips "
-                        "it (default: 12)")
+                        "it (default: %(default)s)")
 
 
 def run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

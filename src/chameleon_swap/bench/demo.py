@@ -26,6 +26,7 @@ from typing import Optional
 
 
 from ..config import format_bytes
+from .commands import CHOICE_STEPS
 from . import choice as choice_leg
 from .env import environment, progress
 from .harness import SweepConfig, natural_peak, run_sweep
@@ -35,7 +36,6 @@ WORKLOADS = ("llama-varlen", "moe")
 FRACTION = 0.30
 DEFAULT_STEPS = 60
 WARMUP = 2
-CHOICE_STEPS = 12
 
 
 def run_demo(out_dir: Path, *, steps: int = DEFAULT_STEPS, size: str = "small",

@@ -251,7 +251,7 @@ class BlockModes:
         tensor), the recompute runs under checkpoint's instead. Measured on a 4-block HF Llama
         on this CPU: kept forwards read 21-23 ms a block, which a step of full recomputation
         repeated in about 15 ms; planned from the kept figure, the all-full mix looked 40%
-        dearer than it ran. A running mean, planned again when it moves by 30%."""
+        dearer than it ran. A running mean, used by the plans made after it."""
         view = self._view_near(self.input_bytes)
         if view is None:
             return
@@ -268,8 +268,9 @@ class BlockModes:
         r = min(FULL_RATIO_CLAMP[1], max(FULL_RATIO_CLAMP[0], sum(ratios) / len(ratios)))
         old = self.full_seconds_ratio
         self.full_seconds_ratio = r if old is None else 0.5 * r + 0.5 * old
-        if old is None or _moved(old, self.full_seconds_ratio, REPLAN_MOVE_CHANGE):
-            self.stale.update(self.plans)        # planned again at each key's next visit
+        # No key is planned again for it: the plans made from now on use it (a mode plan costs
+        # 50-500 ms on 8 blocks; replanning every key when it changed made a 12-step demo plan
+        # on most of its steps).
 
     def _learn_selective(self, calls: list) -> None:
         b = self.probing
