@@ -207,3 +207,12 @@ def test_dit_traces_with_blocks_and_simulates_every_approach():
         assert r.step_seconds >= step.compute_seconds * (1 - 1e-9)
         if p in ("chameleon", "hybrid"):
             assert r.peak_bytes <= budget
+
+
+def test_an_unknown_hf_model_type_is_named_with_examples_not_transformers_whole_list():
+    from chameleon_swap.sim.hf_trace import hf_config
+    with pytest.raises(ValueError) as info:
+        hf_config("llama-7b")
+    msg = str(info.value)
+    assert msg.startswith("--hf: 'llama-7b' is neither") and "--model" in msg
+    assert len(msg) < 300, msg                  # not the hundreds of names transformers lists

@@ -35,9 +35,11 @@ def hf_config(spec: str, **overrides):
     fields["use_cache"] = False
     try:
         return AutoConfig.for_model(spec, **fields)
-    except ValueError as exc:
+    except ValueError:
+        # (transformers' own message lists every model type it knows: hundreds of names)
         raise ValueError(f"--hf: {spec!r} is neither a config.json nor a transformers "
-                         f"model_type ({exc})") from None
+                         f"model_type (e.g. llama, mistral, qwen2, mixtral; a model name such "
+                         f"as llama-7b goes to --model)") from None
 
 
 def _record(cfg, seq: int, micro_batch: int, dtype: str, attn: str, use_cache: bool) -> Recording:
