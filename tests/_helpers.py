@@ -46,17 +46,20 @@ def natural_peak(model: torch.nn.Module, batch, loss_fn=None, device="cpu") -> i
         return eng.last_step.peak_resident_bytes
 
 
-def compare(model: torch.nn.Module, batches, budget_fraction: Optional[float], *,
-            loss_fn=None, device="cpu", min_tensor_bytes=0, model_kwarg=False, **engine_kwargs):
+def compare(model: torch.nn.Module, batches, budget_fraction, *, loss_fn=None, device="cpu",
+            min_tensor_bytes=0, model_kwarg=False, between=None, **engine_kwargs):
     """Train a copy of ``model`` on ``batches`` without and with the engine (budget a fraction of
-    each batch's natural peak, or None for unlimited); assert bitwise equality of every loss and
-    gradient and that every step holds its budget. ``model_kwarg``: give the engine the trained
-    copy as ``model=`` (recomputation). Returns the engine's history."""
+    the smallest batch's natural peak, a callable of the batches' natural peaks giving it, or None
+    for unlimited); assert bitwise equality of every loss and gradient and that every step holds
+    its budget. ``model_kwarg``: give the engine the trained copy as ``model=``
+    (recomputation). ``between(engine)``: called after each step's checks. Returns the engine's
+    history, the natural peaks and the budget."""
     ref, test = copy.deepcopy(model), copy.deepcopy(model)
     if model_kwarg:
         engine_kwargs["model"] = test
     peaks = [natural_peak(model, b, loss_fn, device) for b in batches]
-    budget = None if budget_fraction is None else int(min(peaks) * budget_fraction)
+    budget = (None if budget_fraction is None else budget_fraction(peaks)
+              if callable(budget_fraction) else int(min(peaks) * budget_fraction))
     with cs.Chameleon(budget, device=device, min_tensor_bytes=min_tensor_bytes,
                       **engine_kwargs) as eng:
         for b in batches:
@@ -69,4 +72,6 @@ def compare(model: torch.nn.Module, batches, budget_fraction: Optional[float], *
             if budget is not None:
                 assert st.peak_resident_bytes <= budget, st
             assert eng.host_bytes_in_use == 0, "host buffers still held after the step"
+            if between is not None:
+                between(eng)
         return list(eng.history), peaks, budget

@@ -6,15 +6,12 @@ its bytes. Tested on the CPU with the allocator slowed on purpose (the testing h
 gradients stay bitwise the plain run's and the budget is never passed."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-import chameleon_swap as cs
 from chameleon_swap.copy import host_pool
 
-from _helpers import assert_bitwise, grads, natural_peak, train_step
+from _helpers import compare
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -38,26 +35,17 @@ def _rows(n: int, seed: int) -> torch.Tensor:
 
 
 def _run(budget_of, rows, *, between=None, **kwargs):
-    """Plain and engine runs side by side, the budget ``budget_of`` the batches' natural peaks;
-    every loss and gradient bitwise, every step within the budget. Returns the history."""
-    model = _Wide()
-    batches = [_rows(n, seed=i) for i, n in enumerate(rows)]
-    ref, test = copy.deepcopy(model), copy.deepcopy(model)
-    budget = budget_of([natural_peak(model, b) for b in batches])
-    with cs.Chameleon(budget, device="cpu", min_tensor_bytes=0, **kwargs) as eng:
-        for b in batches:
-            ref.zero_grad(set_to_none=True)
-            test.zero_grad(set_to_none=True)
-            loss_ref = train_step(ref, b)
-            loss = train_step(test, b, eng)
-            assert_bitwise(loss_ref, grads(ref), loss, grads(test))
-            s = eng.last_step
-            assert s.peak_resident_bytes <= budget, s
-            if between is not None:
-                between(eng)
-        assert eng.resident_bytes == 0 and eng.host_bytes_in_use == 0
+    """Plain and engine runs side by side (``compare``), the budget ``budget_of`` the batches'
+    natural peaks; after every step nothing stays resident and the totals count every put-off
+    copy. Returns the history and the budget."""
+    def check(eng):
+        assert eng.resident_bytes == 0
         assert eng.totals.host_deferred_moves == sum(s.host_deferred_moves for s in eng.history)
-        return list(eng.history), budget
+        if between is not None:
+            between(eng)
+    hist, _, budget = compare(_Wide(), [_rows(n, seed=i) for i, n in enumerate(rows)], budget_of,
+                              between=check, **kwargs)
+    return hist, budget
 
 
 @pytest.mark.parametrize("policy", ["guard", "chameleon"])
