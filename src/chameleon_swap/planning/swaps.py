@@ -351,10 +351,9 @@ class _Search:
 
     def run(self, max_passes: int) -> Plan:
         pr, budget = self.pr, self.budget
-        orders = rankings(pr)
         excess = unmoved_peak(pr) - budget
         starts: dict[frozenset, tuple] = {}
-        for order in orders:
+        for order in rankings(pr):
             if not order:
                 continue
             acc, k0 = 0, len(order)
@@ -369,14 +368,15 @@ class _Search:
         # Local improvement from each ranking's best prefix, the most promising first.
         best, best_key = frozenset(), self.score(frozenset())[0]
         ranked = sorted(starts.items(), key=lambda kv: (kv[1][0], sorted(kv[0])))
-        ranked = ranked[:LARGE_STARTS] if len(self.pr.spans) > LARGE else ranked  # (to the best)
+        if len(self.pr.spans) > LARGE:
+            ranked = ranked[:LARGE_STARTS]   # large profiles: the evaluations go to the best
         for move, (k, order) in ranked:
-            if self.cache.get(move, (best_key,))[0] < best_key:   # a start is a candidate,
-                best, best_key = move, self.cache[move][0]         # even out of evaluations
-            if self.out_of_evals():
+            spent = self.out_of_evals()      # then improve returns the start, scored already:
+            cand = self.improve(move, order, max_passes)      # still a candidate, the last one
+            if self.score(cand)[0] < best_key:
+                best, best_key = cand, self.score(cand)[0]
+            if spent:
                 break
-            cand = self.improve(move, order, max_passes)
-            best, best_key = min((best, best_key), (cand, self.score(cand)[0]), key=lambda x: x[1])
         # Copy-back times of the best (on small profiles, of the best six move sets).
         finals = [best]
         if len(pr.spans) <= SMALL:

@@ -108,9 +108,12 @@ class BlockModes:
             self.input_bytes = input_bytes
             self.plan = self._nearest(input_bytes)
         planned = self.plan.modes.get(b, "keep") if self.plan is not None else "keep"
+        probe = self._probe is not None and b == self._probe and self.probing is None
+        if planned == "keep" and not probe:
+            return "keep"                    # (the common case: no working set to look up)
         ws = self._working_set(b)
         rest = max(0, ws - input_bytes)      # what its recompute holds beside its inputs
-        if self._probe is not None and b == self._probe and self.probing is None:
+        if probe:
             if ws + 3 * input_bytes <= self.budget:
                 self.probing = b
                 self.pending[b] = rest

@@ -141,8 +141,8 @@ class GuardPolicy:
             # left too much on the device (or none ran), records of this step not used yet go
             # out now, saved first (needed last) first, and come back when needed.
             for other in sorted((r for r in list(ex.live) if r.state == RESIDENT and r.counted
-                                 and not r.used and r.index < ex.next_index
-                                 and r not in ex._earlier), key=lambda r: r.index):
+                                 and not r.used and r not in ex._earlier),
+                                key=lambda r: r.index):
                 ex.offload(other)
                 ex.wait_offload(other)
                 if ex.resident_bytes + rec.nbytes <= ex.budget:
