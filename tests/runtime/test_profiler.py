@@ -188,6 +188,36 @@ def test_a_lightweight_profile_estimates_compute_without_the_waits():
     assert sum(p.compute) == pytest.approx(2.0) and sum(p.waits) == pytest.approx(1.0)
 
 
+def test_a_lightweight_step_of_a_timed_sequence_gets_its_timed_shares_of_compute():
+    # A recomputed block saves only its inputs: by bytes its recompute looks free and a kept
+    # block's backward long. A light step of a sequence timed before takes the timed shares.
+    from chameleon_swap.runtime.profiler import Profiler
+    prof = Profiler(torch.device("cpu"))
+
+    def step(detailed, sizes, marks=None, wall=0.0, stalls=()):
+        if marks is not None:
+            ticks = iter(marks)
+            prof._clock.mark = lambda: float(next(ticks))
+        prof.begin_step(detailed=detailed)
+        for nb in sizes:
+            prof.on_save(torch.zeros(nb // 4), True, nb)
+        prof.on_first_use(1)
+        prof.on_first_use(0)
+        return prof.finish(wall, stalls=stalls)
+
+    # 2 saves + 2 first uses: 5 slots, timed 1, 1, 6, 1, 1 s (the big one: a recompute).
+    timed = step(True, [16, 1600], marks=[0, 1, 2, 8, 9, 10])
+    assert timed.compute == [1.0, 1.0, 6.0, 1.0, 1.0]
+    light = step(False, [16, 1600], wall=6.0, stalls=[(2, 1.0)])
+    assert not light.detailed and light.signature == timed.signature
+    assert light.compute == pytest.approx([0.5, 0.5, 3.0, 0.5, 0.5])   # 5 s of compute, as timed
+    # Another sequence (other sizes), never timed: shares by bytes saved and first used.
+    other = step(False, [16, 3200], wall=6.0)
+    assert other.signature != timed.signature
+    by_bytes = [16, 3200, 0, 6400, 32]
+    assert other.compute == pytest.approx([6.0 * b / sum(by_bytes) for b in by_bytes])
+
+
 def test_moves_are_kept_apart_from_compute_on_the_host_clock_not_on_the_device_one():
     from chameleon_swap.runtime.profiler import Profiler
     prof = Profiler(torch.device("cpu"))
@@ -240,7 +270,7 @@ def test_a_stalled_step_plans_from_its_compute_not_its_waits_on_the_emulated_lin
     # wait of a fast-link step: +25% per block with 11 waits), which no count of waiting removes.
     import statistics
 
-    from chameleon_swap.policy.block_modes import block_compute
+    from chameleon_swap.policy.keep_views import block_compute
     from _models import tiny_llama, tokens
     from _helpers import natural_peak, train_step
     m = tiny_llama(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=512)
