@@ -12,7 +12,8 @@ size.
 * Keep views. The planner needs the step as it is with every block kept. That is measured on a
   detailed step that ran every block kept (the very first step does); a key that never ran so is
   planned on the nearest measured keep view, scaled to its size (bytes and time in proportion to
-  the input bytes).
+  the input bytes). A timed step in another mix corrects the compute of the view its size plans
+  from, and the size is planned again (``keep_views.corrected``: the first step runs slow).
 * Selective figures (what selective checkpointing keeps and costs) are measured, not assumed: the
   first time a plan recomputes a block fully and selective was never measured, one such block runs
   selective for one step; its held bytes and recompute time, against its keep-view figures, give
@@ -26,6 +27,7 @@ size.
 """
 from __future__ import annotations
 
+import statistics
 import warnings
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
@@ -34,19 +36,15 @@ from ..config import format_bytes
 from ..copy.host_pool import ALIGN
 from ..planning.modes import Block, HybridPlan, plan_hybrid, working_set
 from ..planning.signatures import step_size
-from ..planning.timeline import Profile, Span
+from . import keep_views
+from ..planning.timeline import Profile
+from .keep_views import KeepView, scaled
 
 REPLAN_BUDGET_CHANGE = 0.05     # a budget that moved by more than this re-plans the key
 REPLAN_MOVE_CHANGE = 0.3       # so does a cost of a move that changed by more than this
 FULL_RATIO_CLAMP = (0.25, 2.0)  # a full recompute against its kept forward, believed within
-
-
-@dataclass
-class KeepView:
-    profile: Profile            # timeline at the bandwidths of when it was measured
-    blocks: list[Block]         # in call order
-    block_ids: list[int]        # runner block index of each
-    input_bytes: int            # the first block's input: the size the view was measured at
+RUNS_KEPT = 3                   # step times kept per mix and size (their median ranks the mix)
+MISS = 0.10                     # a mix that ran this much slower than its plan said: plan again
 
 
 @dataclass
@@ -83,6 +81,7 @@ class BlockModes:
         self.host_limit: Optional[int] = None           # host_memory_limit (set by the policy)
         self.warned_host = False
         self.stale: set = set()                         # keys to plan again (the link changed)
+        self.runs: dict[int, dict[tuple, list]] = {}    # per key: mix -> step seconds it ran
         self.begin_step(None)
 
     # ------------------------------------------------------------------ during the step
@@ -223,8 +222,17 @@ class BlockModes:
         for c in calls:                      # the first call of each block (one per step)
             first.setdefault(c.block, c)
         calls = list(first.values())
+        self._learn_run(profile, calls)
         if profile.detailed and all(c.mode == "keep" for c in calls):
             self._learn_view(profile, calls)
+        elif profile.detailed:
+            view = self.views.get(self.key) or self._view_near(self.input_bytes)
+            better = view and keep_views.corrected(view, profile, calls, self.input_bytes)
+            if better:
+                self.views[self.key] = better
+                self.compute_scale.pop(self.key, None)   # the view holds measured compute now
+                if self.key in self.plans and self.plans[self.key].key == self.key:
+                    self.stale.add(self.key)             # planned again below
         if self.probing is not None:
             self._learn_selective(calls)
         self._learn_full(calls)
@@ -239,14 +247,41 @@ class BlockModes:
                 or _moved(plan.budget, self.budget)):
             self._make(self.key)
 
+    def _learn_run(self, profile, calls: list) -> None:
+        """The step's time against the mix it ran (its blocks' modes as run: a probe, a block
+        run full for host room or kept for its size make another mix). The first step of a mix
+        at a size is not counted: its swap plan is still the guard's, or made from estimates."""
+        plan = self.plan
+        if plan is None or plan.key != self.key or not profile.step_seconds:
+            return
+        mix = tuple(sorted((c.block, c.mode) for c in calls))
+        runs = self.runs.setdefault(self.key, {})
+        seen = runs.get(mix)
+        if seen is None:
+            runs[mix] = []                  # its first step: known to have run, not timed
+            return
+        seen.append(profile.step_seconds)
+        del seen[:-RUNS_KEPT]
+        planned = tuple(sorted((b, plan.modes.get(b, "keep")) for b, _ in mix))
+        pred = self.predicted_seconds()
+        if len(seen) == 1 and mix == planned and pred and profile.step_seconds > pred * (1 + MISS):
+            # The mix the plan chose ran slower than it predicted: ranked now by what it ran
+            # at, the size is planned again (once per mix: its later steps only update it).
+            self.stale.add(self.key)
+
+    def measured(self, key: int, block_ids: list) -> dict:
+        """Mixes (in ``block_ids`` order) that ran at ``key``, with their median step time."""
+        out = {}
+        for mix, secs in self.runs.get(key, {}).items():
+            modes = dict(mix)
+            if secs and set(modes) == set(block_ids):
+                out[tuple(modes[b] for b in block_ids)] = statistics.median(secs)
+        return out
+
     def _learn_view(self, profile, calls: list) -> None:
         d2h, h2d = self.bandwidth_fn()
-        tl = profile.to_timeline(d2h, h2d)
-        blocks = [Block(c.first_record, max(c.first_record, c.end_record),
-                        block_compute(profile, c), c.input_bytes,
-                        eligible=c.block >= len(self.eligible) or self.eligible[c.block])
-                  for c in calls]
-        self.views[self.key] = KeepView(tl, blocks, [c.block for c in calls], self.input_bytes)
+        self.views[self.key] = keep_views.learn(profile, calls, d2h, h2d, self.eligible,
+                                                self.input_bytes)
 
     def _learn_full(self, calls: list) -> None:
         """What a full recompute takes against the keep view's forward time of the same block:
@@ -301,10 +336,10 @@ class BlockModes:
             view = self._view_near(self.input_bytes)
             if view is None:
                 return
-            view = _scaled(view, self.input_bytes / max(1, view.input_bytes), self.input_bytes)
+            view = scaled(view, self.input_bytes / max(1, view.input_bytes), self.input_bytes)
         f = self.compute_scale.get(key, 1.0)
         if f != 1.0:
-            view = _scaled(view, 1.0, view.input_bytes, seconds=f)
+            view = scaled(view, 1.0, view.input_bytes, seconds=f)
         d2h, h2d = self.bandwidth_fn()
         prof = replace(view.profile, d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d,
                        move_seconds=self.move_fn())
@@ -312,7 +347,8 @@ class BlockModes:
         # Host room: the limit less a page per span (every host buffer takes whole pages).
         host = (None if self.host_limit is None
                 else max(0, self.host_limit - ALIGN * len(prof.spans)))
-        hp = plan_hybrid(prof, blocks, self.budget - self.margin.get(key, 0), host_limit=host)
+        hp = plan_hybrid(prof, blocks, self.budget - self.margin.get(key, 0), host_limit=host,
+                         measured=self.measured(key, view.block_ids))
         modes = dict(zip(view.block_ids, hp.modes))
         self.plans[key] = ModePlan(modes, dict(zip(view.block_ids, hp.working_set)),
                                    view.input_bytes, self.budget, measured, hp, key=key,
@@ -358,35 +394,7 @@ class BlockModes:
         return blk
 
 
-def block_compute(profile, call) -> float:
-    """A block call's forward time without the waits for copies inside it, nor (where the
-    profile keeps them apart, on the CPU) the host time its moves took: a wait or move that
-    follows the save of record ``i`` falls in slot ``i + 1``, so the call's own are those of
-    slots ``first_record + 1 .. end_record``."""
-    sec = call.forward_seconds or 0.0
-    inside = slice(call.first_record + 1, call.end_record + 1)
-    waits = getattr(profile, "waits", None)
-    if waits:
-        sec -= sum(waits[inside])
-    if getattr(profile, "moves_apart", False):
-        sec -= sum(profile.moves[inside])
-    return max(0.0, sec)
 
 
 def _moved(planned, now, share: float = REPLAN_BUDGET_CHANGE) -> bool:
     return abs(now - planned) > share * max(1e-12 if isinstance(planned, float) else 1, planned)
-
-
-def _scaled(view: KeepView, f: float, input_bytes: int,
-            seconds: Optional[float] = None) -> KeepView:
-    """The keep view of another size: bytes and times in proportion (attention's quadratic part
-    is not modelled; the guard covers the difference). ``seconds`` scales times alone (a
-    compute correction), default ``f``."""
-    t = f if seconds is None else seconds
-    p = view.profile
-    spans = tuple(Span(int(sp.nbytes * f), sp.save, sp.use, sp.movable) for sp in p.spans)
-    prof = replace(p, compute=tuple(c * t for c in p.compute), spans=spans,
-                   reserve=tuple(int(r * f) for r in p.reserve))
-    blocks = [replace(b, forward_seconds=b.forward_seconds * t,
-                      input_bytes=int(b.input_bytes * f)) for b in view.blocks]
-    return KeepView(prof, blocks, view.block_ids, input_bytes)

@@ -1,0 +1,100 @@
+"""Keep views: a step as it runs with every block kept, the input of the block-mode planner
+(``planning.modes``), and what timed steps teach about it (policy side, used by
+``block_modes.BlockModes``).
+
+A keep view is measured on a timed step that ran every block kept (the very first step with
+``model=`` does): its timeline and, per block, the spans it saved, its forward time without the
+waits and moves inside it (``block_compute``) and its input bytes. Another size is planned on
+the nearest view scaled to it (``scaled``).
+
+A view measured once is not believed forever. The first step runs slow (cold allocations, the
+host arena filling): measured on a 4-block HF Llama at a 25% budget on the emulated link, its
+backward took 1.2-1.7x that of later steps and its forward 1.1-1.2x. Planned from it, copies
+look hidden behind a backward that is not that long, and keeping looks cheaper than it runs. So
+every timed step in another mix checks the view (``corrected``): that step's forward, and its
+backward without its recomputes (timed apart by the recompute runner), against the view's
+scaled to the step's size; beyond ``MISS`` the size gets a corrected view of its own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from ..planning.modes import Block
+from ..planning.timeline import Profile, Span
+
+MISS = 0.10                         # a view off a timed step by more than this is corrected
+CORRECTION_CLAMP = (0.5, 2.0)       # a correction beyond these is not believed
+
+
+@dataclass
+class KeepView:
+    profile: Profile            # timeline at the bandwidths of when it was measured
+    blocks: list[Block]         # in call order
+    block_ids: list[int]        # runner block index of each
+    input_bytes: int            # the first block's input: the size the view was measured at
+
+
+def learn(profile, calls: list, d2h: float, h2d: float, eligible: list,
+          input_bytes: int) -> KeepView:
+    """The keep view of a timed step that ran every block kept (``calls``: each block's first
+    call; ``eligible``: per runner block, False where the user's own checkpointing stands)."""
+    tl = profile.to_timeline(d2h, h2d)
+    blocks = [Block(c.first_record, max(c.first_record, c.end_record),
+                    block_compute(profile, c), c.input_bytes,
+                    eligible=c.block >= len(eligible) or eligible[c.block])
+              for c in calls]
+    return KeepView(tl, blocks, [c.block for c in calls], input_bytes)
+
+
+def block_compute(profile, call) -> float:
+    """A block call's forward time without the waits for copies inside it, nor (where the
+    profile keeps them apart, on the CPU) the host time its moves took: a wait or move that
+    follows the save of record ``i`` falls in slot ``i + 1``, so the call's own are those of
+    slots ``first_record + 1 .. end_record``."""
+    sec = call.forward_seconds or 0.0
+    inside = slice(call.first_record + 1, call.end_record + 1)
+    waits = getattr(profile, "waits", None)
+    if waits:
+        sec -= sum(waits[inside])
+    if getattr(profile, "moves_apart", False):
+        sec -= sum(profile.moves[inside])
+    return max(0.0, sec)
+
+
+def corrected(view: KeepView, profile, calls: list, input_bytes: int) -> Optional[KeepView]:
+    """``view`` at the size of ``input_bytes`` with its forward and backward compute set to what
+    the timed ``profile`` of a step in another mix measured (``calls``: the blocks' first calls,
+    their recompute times taken out of its backward); None when the view is within ``MISS`` of
+    it both ways, or the step cannot tell."""
+    f = input_bytes / max(1, view.input_bytes)
+    vp, n = view.profile, view.profile.n_forward
+    fwd, bwd = f * sum(vp.compute[:n + 1]), f * sum(vp.compute[n + 1:])
+    nf = profile.n_forward
+    recompute = sum(c.recompute_seconds or 0.0 for c in calls if c.mode != "keep")
+    m_fwd = sum(profile.compute[:nf + 1])
+    m_bwd = sum(profile.compute[nf + 1:]) - recompute
+    if min(fwd, bwd, m_fwd, m_bwd) <= 0:
+        return None
+    lo, hi = CORRECTION_CLAMP
+    ff, fb = min(hi, max(lo, m_fwd / fwd)), min(hi, max(lo, m_bwd / bwd))
+    if abs(ff - 1) <= MISS and abs(fb - 1) <= MISS:
+        return None
+    return scaled(view, f, input_bytes, seconds=(ff * f, fb * f))
+
+
+def scaled(view: KeepView, f: float, input_bytes: int, seconds=None) -> KeepView:
+    """The keep view of another size: bytes and times in proportion (attention's quadratic part
+    is not modelled; the guard covers the difference). ``seconds`` scales times alone (a
+    compute correction), default ``f``; a pair scales forward and backward apart."""
+    tf, tb = (f, f) if seconds is None else (
+        seconds if isinstance(seconds, tuple) else (seconds, seconds))
+    p = view.profile
+    n = p.n_forward
+    spans = tuple(Span(int(sp.nbytes * f), sp.save, sp.use, sp.movable) for sp in p.spans)
+    compute = tuple(c * (tf if s <= n else tb) for s, c in enumerate(p.compute))
+    prof = replace(p, compute=compute, spans=spans,
+                   reserve=tuple(int(r * f) for r in p.reserve))
+    blocks = [replace(b, forward_seconds=b.forward_seconds * tf,
+                      input_bytes=int(b.input_bytes * f)) for b in view.blocks]
+    return KeepView(prof, blocks, view.block_ids, input_bytes)

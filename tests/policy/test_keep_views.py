@@ -1,0 +1,102 @@
+"""Keep views (policy/keep_views.py): learnt on a step that kept every block, corrected by the
+timed steps that ran in other mixes (the first step, which a view is measured on, runs slow)."""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+import chameleon_swap as cs
+from chameleon_swap.planning.modes import Block
+from chameleon_swap.planning.timeline import Profile, Span
+from chameleon_swap.policy import keep_views
+from chameleon_swap.policy.keep_views import KeepView
+
+from _helpers import natural_peak, train_step
+from _models import lm_batches, tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")   # see conftest.py
+
+
+def view(fwd=(1.0, 1.0, 1.0), bwd=(2.0, 2.0, 2.0), input_bytes=100) -> KeepView:
+    # 2 saves: forward slots 0..2, backward slots 3..5 (as a profile counts them).
+    prof = Profile(compute=tuple(fwd) + tuple(bwd), n_forward=2,
+                   spans=(Span(40, 0, 4), Span(60, 1, 3)), d2h_bytes_per_s=1e9,
+                   h2d_bytes_per_s=1e9)
+    return KeepView(prof, [Block(0, 2, 1.5, input_bytes)], [0], input_bytes)
+
+
+def step(fwd, bwd, recompute=0.0):
+    """A timed step in another mix: its profile's compute and the blocks' first calls."""
+    prof = SimpleNamespace(n_forward=len(fwd) - 1, compute=list(fwd) + list(bwd))
+    calls = [SimpleNamespace(mode="full" if recompute else "keep", recompute_seconds=recompute)]
+    return prof, calls
+
+
+def sums(v: KeepView):
+    n = v.profile.n_forward
+    return sum(v.profile.compute[:n + 1]), sum(v.profile.compute[n + 1:])
+
+
+def test_a_view_within_ten_percent_of_the_step_stands():
+    prof, calls = step([1.0, 1.05, 1.0], [2.0, 2.1, 2.0])
+    assert keep_views.corrected(view(), prof, calls, 100) is None
+
+
+def test_forward_and_backward_are_corrected_apart_and_the_recompute_is_not_backward():
+    # The step ran a recompute of 3 s inside a backward of 6 + 3 s: its backward is 6 s (the
+    # view's), its forward 1.5 s where the view says 3 s.
+    prof, calls = step([0.5, 0.5, 0.5], [3.0, 3.0, 3.0], recompute=3.0)
+    v = keep_views.corrected(view(), prof, calls, 100)
+    assert sums(v) == pytest.approx((1.5, 6.0))
+    assert v.blocks[0].forward_seconds == pytest.approx(0.75)   # forward times with forward
+    assert [sp.nbytes for sp in v.profile.spans] == [40, 60]     # bytes untouched
+
+
+def test_a_step_of_another_size_compares_with_the_view_scaled_to_it():
+    # Twice the input bytes: the view scaled reads 6 s forward, 12 s backward; the step matches
+    # its forward and runs its backward in 9 s.
+    prof, calls = step([2.0, 2.0, 2.0], [3.0, 3.0, 3.0])
+    v = keep_views.corrected(view(), prof, calls, 200)
+    assert v.input_bytes == 200 and sums(v) == pytest.approx((6.0, 9.0))
+    assert [sp.nbytes for sp in v.profile.spans] == [80, 120]
+
+
+def test_corrections_beyond_the_clamp_are_not_believed():
+    prof, calls = step([10.0, 10.0, 10.0], [0.01, 0.01, 0.01])
+    v = keep_views.corrected(view(), prof, calls, 100)
+    lo, hi = keep_views.CORRECTION_CLAMP
+    assert sums(v) == pytest.approx((3.0 * hi, 6.0 * lo))
+    # A step that cannot tell (no backward left once its recomputes are out) changes nothing.
+    prof, calls = step([1.0, 1.0, 1.0], [1.0, 1.0, 1.0], recompute=3.0)
+    assert keep_views.corrected(view(), prof, calls, 100) is None
+
+
+def test_a_slow_first_step_is_corrected_by_later_timed_steps_on_the_emulated_link():
+    # The real clock: the first step (the keep view's) runs a backward slowed by 0.2 s (a
+    # gradient hook sleeps once), as a cold first step does; the later steps recompute on a
+    # link too slow to swap, and a timed one among them corrects the view the size plans from.
+    model = tiny_llama(n_layers=3)
+    batches = lm_batches(model, [24] * 6)
+    budget = int(natural_peak(model, batches[0]) * 0.5)
+    slow = [True]
+
+    def first_step_slow(grad):
+        if slow[0]:
+            time.sleep(0.2)
+        return grad
+    model.layers[1].attn.wq.weight.register_hook(first_step_slow)
+    with cs.Chameleon(budget, device="cpu", min_tensor_bytes=0, model=model,
+                      emulate_link="10MB/s") as eng:
+        train_step(model, batches[0], eng)
+        slow[0] = False
+        modes = eng._policy.modes
+        key = modes.key
+        first = sums(modes.views[key])[1]
+        assert first > 0.2                         # the sleep is in the view's backward
+        for b in batches[1:]:
+            train_step(model, b, eng)
+            assert eng.last_step.peak_resident_bytes <= budget
+        assert any(s.block_modes[0] < 3 for s in eng.history)
+        assert sums(modes.views[key])[1] < first - 0.1, (first, sums(modes.views[key]))
