@@ -277,3 +277,56 @@ def test_a_host_limit_below_what_swapping_moves_makes_the_search_recompute():
     full = plan_hybrid(apply_modes(fast, blocks, full_recompute_modes(blocks)),
                        [Block(0, 0, 0.0, 0)] * 0, budget)
     assert tight.predicted.moved_bytes <= full.predicted.moved_bytes   # ... the least it can
+
+
+# --------------------------------------------------------------------------- mixes that ran
+def _plan_of(prof, blocks, budget, modes):
+    from chameleon_swap.planning.swaps import plan as plan_swaps
+    return plan_swaps(apply_modes(prof, blocks, modes), budget).predicted
+
+
+def test_a_mix_that_ran_slower_than_predicted_gives_way_to_the_next_best():
+    prof, blocks = keep_view(bw=1e8)
+    budget = unmoved_peak(prof) // 3
+    chosen = plan_hybrid(prof, blocks, budget)
+    ran = {chosen.modes: 10 * chosen.predicted.total_seconds}
+    again = plan_hybrid(prof, blocks, budget, measured=ran)
+    assert again.modes != chosen.modes and again.predicted.budget_ok
+    # Measured at what it was predicted, it stands.
+    same = plan_hybrid(prof, blocks, budget,
+                       measured={chosen.modes: chosen.predicted.total_seconds})
+    assert same.modes == chosen.modes
+
+
+def test_a_mix_that_ran_faster_than_predicted_is_chosen_though_the_model_ranks_it_last():
+    fast, blocks = keep_view(bw=1e13)           # swapping hides: the model keeps every block
+    budget = unmoved_peak(fast) // 3
+    assert plan_hybrid(fast, blocks, budget).modes == ("keep",) * 4
+    full = ("full",) * 4
+    keep = ("keep",) * 4
+    ran = {full: 0.5 * _plan_of(fast, blocks, budget, keep).total_seconds,
+           keep: _plan_of(fast, blocks, budget, keep).total_seconds}
+    assert plan_hybrid(fast, blocks, budget, measured=ran).modes == full
+
+
+def test_mixes_that_did_not_run_are_read_at_the_ratio_those_that_ran_missed_by():
+    # The best mix ran at 1.5x the next best's prediction. Read as predicted, the next best
+    # would win; but the model read the best that much fast, and read at the same ratio the next
+    # best is slower still: the mix that ran stays (the search does not leave a mix for one no
+    # better, on a model known to read fast).
+    prof, blocks = keep_view(bw=1e8)
+    budget = unmoved_peak(prof) // 3
+    best = plan_hybrid(prof, blocks, budget)
+    second = plan_hybrid(prof, blocks, budget, measured={best.modes: 1e9})
+    assert second.modes != best.modes
+    ran = 1.5 * second.predicted.total_seconds
+    assert ran > best.predicted.total_seconds
+    assert plan_hybrid(prof, blocks, budget, measured={best.modes: ran}).modes == best.modes
+
+
+def test_mixes_that_ran_but_cannot_run_now_are_not_candidates():
+    prof, blocks = keep_view(bw=1e8)            # no selective figures
+    budget = unmoved_peak(prof) // 3
+    best = plan_hybrid(prof, blocks, budget)
+    bogus = {("selective",) * 4: 1e-9, ("full",) * 3: 1e-9}   # unknown figures; wrong length
+    assert plan_hybrid(prof, blocks, budget, measured=bogus).modes == best.modes

@@ -30,6 +30,16 @@ all selective where measured, all full) are always among the candidates, so the 
 predicted slower than any of them (as the search plans their swaps) where it fits. When no mix fits, the one with
 the smallest peak is chosen (the policy then warns), never the one that keeps everything.
 
+A model is a model: mixes it ranks close can run far apart (on a 4-block HF Llama at 25% on
+the emulated link, one block kept and three recomputed was predicted within 5% of all four
+recomputed and ran 10-15% slower: its kept block's copies back waited behind the recomputes'
+working sets longer than the timeline foresaw). So a mix that ran at this size is ranked by the
+step time it was measured at (``measured``), and is always a candidate: a mix the model overrates
+is tried at most once more than it deserves, and the search falls back to the best that ran. The
+mixes that ran also calibrate the predictions of those that did not (their median of measured
+over predicted), so that a model that reads every mix fast does not make every mix that ran look
+worse than every one that did not.
+
 Host memory is bounded too (``host_limit``: the room of the host arena, ``host_memory_limit``):
 every byte a plan copies out holds a host buffer until backward releases its tensor, so a mix
 whose predicted copies (``moved_bytes``) exceed it would fail the step. Such mixes rank after
@@ -39,12 +49,13 @@ mix keeps its copies within host room, the one that moves least is chosen (the p
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from .swaps import plan as plan_swaps
 from .timeline import Plan, Prediction, Profile, Span, simulate, unmoved_peak
 
 MODES = ("keep", "selective", "full")
+CALIBRATION_CLAMP = (0.5, 2.0)   # measured over predicted step time, believed within
 QUICK_EVALS = 48          # swap-planner simulations per candidate mix while searching (24 were
                           # tried: half the time, but a 4-block Llama's full mix found no swap
                           # set that fits, and the search kept everything)
@@ -173,12 +184,15 @@ def full_recompute_modes(blocks: Sequence[Block]) -> tuple[str, ...]:
 
 def plan_hybrid(profile: Profile, blocks: Sequence[Block], budget: Optional[int], *,
                 max_evals: Optional[int] = None,
-                host_limit: Optional[int] = None) -> HybridPlan:
+                host_limit: Optional[int] = None,
+                measured: Optional[Mapping[tuple, float]] = None) -> HybridPlan:
     """Block modes and swap set with the least predicted step time under ``budget``, copying
     out at most ``host_limit`` bytes where any mix can (None: host memory is not bounded).
 
     Nothing is recomputed or moved when the keep view's unmoved peak fits. ``max_evals`` bounds
-    the swap planner's simulations for the final plan (its default otherwise)."""
+    the swap planner's simulations for the final plan (its default otherwise). ``measured``:
+    step seconds that mixes (modes per block) were measured to run at this size; such a mix is
+    ranked by what it ran, not by what the model predicts of it, and is always a candidate."""
     keep = tuple("keep" for _ in blocks)
     if budget is None or unmoved_peak(profile) <= budget:
         return _made(profile, blocks, keep, Plan(frozenset(), {}, budget,
@@ -187,7 +201,7 @@ def plan_hybrid(profile: Profile, blocks: Sequence[Block], budget: Optional[int]
     # within it: the runtime runs it keep (``BlockModes.mode``), so the search does too.
     blocks = [replace(b, eligible=False) if b.eligible and working_set(profile, b) > budget
               else b for b in blocks]
-    search = _ModeSearch(profile, blocks, budget, host_limit)
+    search = _ModeSearch(profile, blocks, budget, host_limit, measured)
     best = search.run()
     # The search compared quick swap plans, the three uniform mixes (swap only, all selective
     # where measured, all full) always among them, so the winner's is never above theirs where
@@ -235,9 +249,16 @@ class _ModeSearch:
     the rest. A geometric ladder, then a ternary search around the best rung."""
 
     def __init__(self, profile: Profile, blocks: Sequence[Block], budget: int,
-                 host_limit: Optional[int] = None) -> None:
+                 host_limit: Optional[int] = None,
+                 measured: Optional[Mapping[tuple, float]] = None) -> None:
         self.pr, self.blocks, self.budget = profile, list(blocks), budget
         self.host_limit = host_limit
+        self.measured = {tuple(m): t for m, t in (measured or {}).items()
+                         if len(m) == len(blocks) and t > 0 and all(
+                             mode == "keep" or (blk.eligible and (
+                                 mode == "full" or blk.selective_known))
+                             for mode, blk in zip(m, blocks))}
+        self.calibration = 1.0   # measured over predicted, of the mixes that ran (see run)
         self.order = conversion_order(profile, blocks)
         self.views: dict[tuple, Profile] = {}
         self.plans: dict[tuple, Plan] = {}
@@ -257,7 +278,8 @@ class _ModeSearch:
         host_over = 0 if self.host_limit is None else max(0, pred.moved_bytes - self.host_limit)
         recomputed = sum(m != "keep" for m in modes)
         over = 0 if pred.budget_ok else pred.peak_bytes
-        return (host_over, not pred.budget_ok, over, round(pred.total_seconds / self.scale, 9),
+        seconds = self.measured.get(modes, pred.total_seconds * self.calibration)
+        return (host_over, not pred.budget_ok, over, round(seconds / self.scale, 9),
                 recomputed, pred.moved_bytes)
 
     def uniform(self) -> list:
@@ -268,12 +290,15 @@ class _ModeSearch:
         out.append(full_recompute_modes(self.blocks))
         return out
 
-    def score(self, modes: tuple) -> tuple:
+    def _plan(self, modes: tuple) -> Plan:
         p = self.plans.get(modes)
         if p is None:
             p = self.plans[modes] = plan_swaps(self.view(modes), self.budget,
                                                max_evals=QUICK_EVALS)
-        return self.key(p.predicted, modes)
+        return p
+
+    def score(self, modes: tuple) -> tuple:
+        return self.key(self._plan(modes).predicted, modes)
 
     def family(self, first: str, rest: str):
         order, n_blocks = self.order, len(self.blocks)
@@ -289,10 +314,20 @@ class _ModeSearch:
         return modes(best_count(lambda k: self.score(modes(k)), n))
 
     def run(self) -> tuple:
+        # The mixes that ran calibrate the model for those that did not: what they ran at over
+        # what it predicts of them (the median; a model that reads every mix 10% fast would
+        # otherwise make each mix that ran look worse than each that did not).
+        ratios = sorted(t / p.predicted.total_seconds for t, p in
+                        ((t, self._plan(m)) for m, t in self.measured.items())
+                        if p.predicted.total_seconds > 0)
+        if ratios:
+            lo, hi = CALIBRATION_CLAMP
+            self.calibration = min(hi, max(lo, ratios[len(ratios) // 2]))
         n = len(self.order)
         cands = [self.best_k(self.family("full", "keep"), n)]
         if n and all(self.blocks[b].selective_known for b in self.order):
             cands.append(self.best_k(self.family("selective", "keep"), n))
             cands.append(self.best_k(self.family("full", "selective"), n))
         cands += self.uniform()                 # always: swap only, all selective, all full
+        cands += list(self.measured)
         return min(cands, key=lambda m: (self.score(m), m))
