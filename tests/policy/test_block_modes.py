@@ -3,6 +3,7 @@ swaps or recomputes, bit for bit, under the budget, on CPU."""
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -72,6 +73,10 @@ def steady_clock(monkeypatch):
     # A move's host time would read as ticks of this clock (three per move, 150 us: about what
     # one costs on this CPU, many times a GPU's); the decision here is about the link alone.
     monkeypatch.setattr(checks.PlanChecks, "move_seconds", lambda self: 0.0)
+    # Mixes that ran are ranked by their steps' wall time (real), which no mock makes steady
+    # either: off here; test_mixes_are_ranked_by_what_they_ran_at_on_the_emulated_link is theirs.
+    from chameleon_swap.policy import block_modes
+    monkeypatch.setattr(block_modes.BlockModes, "measured", lambda self, key, ids: {})
 
 
 @pytest.mark.parametrize("link,recomputes", [("1GB/s", True), ("1TB/s", False)])
@@ -247,3 +252,34 @@ def test_close_restores_the_model():
         assert all("forward" in b.__dict__ for b in model.layers)
     assert all("forward" not in b.__dict__ for b in model.layers)
     assert eng.last_step is None
+
+
+# --------------------------------------------------------------------------- mixes that ran
+class SlowRecompute(Cheap):
+    """A ``Cheap`` block whose forward sleeps when it runs inside backward (a recompute): the
+    keep view, measured in forward, cannot see what recomputing it costs."""
+
+    def forward(self, x):
+        if torch._C._current_graph_task_id() != -1:
+            time.sleep(0.02)
+        return super().forward(x)
+
+
+def test_mixes_are_ranked_by_what_they_ran_at_on_the_emulated_link():
+    # On a link too slow to hide the copies the model recomputes (as in the test above), but
+    # here each recompute sleeps 20 ms, four times the stall swapping a block costs: the steps
+    # run far slower than predicted, and the sizes's mixes that ran are ranked by their step
+    # times. The engine leaves recomputing for what runs faster. (The real clock: the sleep is
+    # real and so are the emulated link's copies.)
+    torch.manual_seed(0)
+    model = CheapNet()
+    for i, blk in enumerate(model.blocks):
+        model.blocks[i] = SlowRecompute(64)
+        model.blocks[i].load_state_dict(blk.state_dict())
+    batches = [(randn(4, 2048, 64, seed=0),)] * 12
+    history, _, budget = compare(model, batches, 0.4, model_kwarg=True, emulate_link="1GB/s",
+                                 min_tensor_bytes=2**16)
+    assert any(s.block_modes[2] > 0 for s in history[:4]), [s.block_modes for s in history]
+    last = [s.block_modes[2] for s in history[-3:]]
+    most = max(s.block_modes[2] for s in history)
+    assert max(last) < most, [s.block_modes for s in history]

@@ -125,6 +125,30 @@ def test_a_model_that_misses_is_corrected_and_the_step_says_replanned():
         assert 2e7 < d2h < 6e7 and 2e7 < h2d < 6e7          # timed: about 40 MB/s
 
 
+def test_a_swap_plan_that_misses_under_a_mode_plan_is_made_again_on_the_emulated_link():
+    # With model=, the prediction a step reports is the swap plan's made from a step in its
+    # modes; a miss re-plans the modes, and (before) left that swap plan as it was: it went on
+    # missing and the modes were planned again every second step. Here the swap plans standing
+    # for the size are made to read a third of their step; the misses must make them again.
+    model = tiny_llama(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=256)
+    batches = lm_batches(model, [128] * 12, B=4)
+    budget = int(natural_peak(model, batches[0]) * 0.25)
+    with cs.Chameleon(budget, device="cpu", min_tensor_bytes=0, model=model,
+                      emulate_link="50MB/s") as eng:
+        for b in batches[:5]:
+            train_step(model, b, eng)
+        for entry in eng._policy.cache.entries():
+            entry.predicted_step_seconds /= 3
+        for b in batches[5:]:
+            train_step(model, b, eng)
+            assert eng.last_step.peak_resident_bytes <= budget
+        hist = list(eng.history)[5:]
+    off = [s.step_seconds / s.predicted_step_seconds for s in hist]
+    assert off[0] > 2, off                                   # the wrong plan stood, and missed
+    assert "replanned" in [s.plan_source for s in hist]
+    assert max(off[-3:]) < 2, off                            # made again from a step: it holds
+
+
 def test_the_10mb_link_case_recomputes():
     # An HF Llama (hidden 128, 8 layers, batch 2 x 128) at 50% of its peak, planned for a
     # 10 MB/s link: the plan's own prediction is seconds of stall on a 0.05 s step, so blocks

@@ -199,6 +199,16 @@ def check_step(policy, profile, applied, mode_plan, predicted) -> None:
             # The link is every size's: the other sizes' plans were made for the old one;
             # each is made again at the end of its size's next step (one plan per step).
             policy.modes.stale.update(k for k in policy.modes.plans if k != key)
+        if (applied is not None and predicted == applied.predicted_step_seconds
+                and profile.signature == applied.signature and profile.n_forward > 0):
+            # The prediction that missed was the swap plan's (made from a step in these modes):
+            # it is made again from this one too, or it would keep missing, and every second
+            # step would plan the modes again (measured: a 4-block Llama re-planned its modes
+            # on steps 4, 6 and 12, each time for a swap plan that read 324 ms of a 270 ms step).
+            entry = policy._make(profile)
+            entry.replanned = True
+            entry.detailed = entry.detailed or applied.detailed
+            policy.cache.put(entry)
     elif profile.signature == applied.signature and profile.n_forward > 0:
         fit = None
         if not any(nbytes for nbytes, _ in link.values()):
