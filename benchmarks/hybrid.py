@@ -186,7 +186,8 @@ def main(argv=None) -> int:
             engines = {f"swap@{tag}": cs.Chameleon(budget, device=device, **link),
                        f"hybrid@{tag}": cs.Chameleon(budget, device=device, model=model, **link)}
             modes = peers + list(engines)
-            rec = {m: {"times": [], "all": [], "stats": [], "peaks": []} for m in modes}
+            rec = {m: {"times": [], "all": [], "stats": [], "peaks": [], "timed_lengths": []}
+                   for m in modes}
             for rep in range(steps):
                 for T in lengths:
                     order = modes[rep % len(modes):] + modes[:rep % len(modes)]
@@ -196,6 +197,7 @@ def main(argv=None) -> int:
                         rec[m]["all"].append(dt)
                         if rep >= a.warmup:
                             rec[m]["times"].append(dt)
+                            rec[m]["timed_lengths"].append(T)
                         if peak is not None:
                             rec[m]["peaks"].append(peak)
                         if m in engines:
@@ -245,8 +247,13 @@ def summarize(rec: dict, modes: list, engines: dict, budget: int) -> dict:
     for m in modes:
         r = rec[m]
         med = C.median(r["times"])
+        by_length: dict = {}
+        for T, dt in zip(r["timed_lengths"], r["times"]):
+            by_length.setdefault(T, []).append(dt)
         row = {"median_step_s": med, "ratio_vs_none": med / none, "total_s": sum(r["all"]),
-               "peak_device_bytes": max(r["peaks"]) if r["peaks"] else None}
+               "peak_device_bytes": max(r["peaks"]) if r["peaks"] else None,
+               "median_step_s_per_length": {str(T): C.median(v)
+                                            for T, v in sorted(by_length.items())}}
         if m in engines:
             s = r["stats"]
             row.update(budget_bytes=budget,
@@ -308,6 +315,18 @@ def markdown(payload: dict) -> str:
                    ["budget", "length", "steps", "error"],
                    [[p["budget"], p["length"], p["visits"],
                      f"{p['median_error_from_visit_3'] * 100:.0f}%"] for p in pred]))
+    per_len = []
+    for tag, res in payload["results"].items():
+        none = res["none"].get("median_step_s_per_length", {})
+        for m, r in res.items():
+            got = r.get("median_step_s_per_length", {})
+            if m != "none" and got and none:
+                per_len.append([tag, m] + [f"{got[T] / none[T]:.2f}x" for T in none if T in got])
+    lengths = list(payload["results"][next(iter(payload["results"]))]["none"].get(
+        "median_step_s_per_length", {}))
+    per_len_md = ("" if not per_len else "\n\nPer length (median step over the plain step's "
+                  "median at the same length):\n\n" + C.markdown_table(
+                      ["budget", "mode"] + [f"T={T}" for T in lengths], per_len))
     return (f"# hybrid on {env['device_name']}"
             f"{f', emulated link {link}' if link else ''}\n\n"
             f"torch {env['torch']}, commit {env['commit']}; Hugging Face Llama hidden "
@@ -319,7 +338,7 @@ def markdown(payload: dict) -> str:
             f"{payload['losses_bitwise_equal_across_modes']}.\n\n"
             + C.markdown_table(["budget", "mode", "step ms", "x none", "total s", "peak device",
                                 "peak resident", "moved", "recomputed", "block modes"], rows)
-            + pred_md)
+            + per_len_md + pred_md)
 
 
 def plot(results: dict, path: Path, title: str) -> None:
