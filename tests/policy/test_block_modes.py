@@ -77,6 +77,12 @@ def steady_clock(monkeypatch):
     # either: off here; test_mixes_are_ranked_by_what_they_ran_at_on_the_emulated_link is theirs.
     from chameleon_swap.policy import block_modes
     monkeypatch.setattr(block_modes.BlockModes, "measured", lambda self, key, ids: {})
+    # Nor are keep views corrected by timed steps: ticks count marks, and a mix that saves less
+    # takes fewer (keep_views.corrected is tested on its own, and on the real clock).
+    from chameleon_swap.policy import keep_views
+    monkeypatch.setattr(keep_views, "corrected", lambda *a, **k: None)
+    # Nor is planning again rationed by the wall time the steps ran (may_replan).
+    monkeypatch.setattr(block_modes, "PLANNING_SHARE", float("inf"))
 
 
 @pytest.mark.parametrize("link,recomputes", [("1GB/s", True), ("1TB/s", False)])
@@ -261,13 +267,13 @@ class SlowRecompute(Cheap):
 
     def forward(self, x):
         if torch._C._current_graph_task_id() != -1:
-            time.sleep(0.02)
+            time.sleep(0.04)
         return super().forward(x)
 
 
 def test_mixes_are_ranked_by_what_they_ran_at_on_the_emulated_link():
     # On a link too slow to hide the copies the model recomputes (as in the test above), but
-    # here each recompute sleeps 20 ms, four times the stall swapping a block costs: the steps
+    # here each recompute sleeps 40 ms, several times the stall swapping a block costs: the steps
     # run far slower than predicted, and the sizes's mixes that ran are ranked by their step
     # times. The engine leaves recomputing for what runs faster. (The real clock: the sleep is
     # real and so are the emulated link's copies.)
@@ -276,10 +282,53 @@ def test_mixes_are_ranked_by_what_they_ran_at_on_the_emulated_link():
     for i, blk in enumerate(model.blocks):
         model.blocks[i] = SlowRecompute(64)
         model.blocks[i].load_state_dict(blk.state_dict())
-    batches = [(randn(4, 2048, 64, seed=0),)] * 12
+    batches = [(randn(4, 2048, 64, seed=0),)] * 16
     history, _, budget = compare(model, batches, 0.4, model_kwarg=True, emulate_link="1GB/s",
                                  min_tensor_bytes=2**16)
     assert any(s.block_modes[2] > 0 for s in history[:4]), [s.block_modes for s in history]
     last = [s.block_modes[2] for s in history[-3:]]
     most = max(s.block_modes[2] for s in history)
     assert max(last) < most, [s.block_modes for s in history]
+
+
+# --------------------------------------------------------------------------- planning time
+def test_planning_again_waits_while_planning_took_more_than_its_share_of_the_steps(
+        monkeypatch):
+    from chameleon_swap.policy import block_modes
+    made = []
+    modes = block_modes.BlockModes(lambda: (1e9, 1e9))
+    monkeypatch.setattr(modes, "_plan_key", made.append)
+    modes.planning_seconds, modes.trained_seconds = 1.0, 1.0      # 100% of the steps' time
+    modes.replan(7, 1.0)
+    assert made == [] and 7 in modes.stale                        # put off, not dropped
+    modes.trained_seconds = 1.0 / block_modes.PLANNING_SHARE      # now within its share
+    modes.replan(7, 1.0)
+    assert made == [7] and 7 not in modes.stale
+    assert modes.planning_seconds >= 1.0                          # the plan's time counts
+
+
+def test_planning_time_stays_within_its_share_after_the_first_plans_on_the_emulated_link():
+    # The real clock: every plan a run makes after each size's first is paid from the share.
+    model = tiny_llama(dim=64, n_layers=3)
+    batches = lm_batches(model, [24, 32, 24, 32] * 4)
+    budget = int(natural_peak(model, batches[1]) * 0.3)
+    firsts = []
+    with cs.Chameleon(budget, device="cpu", min_tensor_bytes=0, model=model,
+                      emulate_link="20MB/s") as eng:
+        modes = eng._policy.modes
+        plan_key = modes._plan_key
+
+        def timed(key):
+            first = key not in modes.plans
+            t0 = time.perf_counter()
+            plan_key(key)
+            if first:
+                firsts.append(time.perf_counter() - t0)
+        modes._plan_key = timed
+        for b in batches:
+            train_step(model, b, eng)
+            assert eng.last_step.peak_resident_bytes <= budget
+        from chameleon_swap.policy.block_modes import PLANNING_SHARE
+        again = modes.planning_seconds - sum(firsts)
+        # One plan may start while within the share and end past it.
+        assert again <= PLANNING_SHARE * modes.trained_seconds + max(firsts, default=0.0)

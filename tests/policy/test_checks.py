@@ -131,7 +131,7 @@ def test_a_swap_plan_that_misses_under_a_mode_plan_is_made_again_on_the_emulated
     # missing and the modes were planned again every second step. Here the swap plans standing
     # for the size are made to read a third of their step; the misses must make them again.
     model = tiny_llama(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=256)
-    batches = lm_batches(model, [128] * 12, B=4)
+    batches = lm_batches(model, [128] * 16, B=4)   # (a check follows a correction's cooldown)
     budget = int(natural_peak(model, batches[0]) * 0.25)
     with cs.Chameleon(budget, device="cpu", min_tensor_bytes=0, model=model,
                       emulate_link="50MB/s") as eng:

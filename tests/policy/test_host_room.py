@@ -57,6 +57,12 @@ def steady_clock(monkeypatch):
     monkeypatch.setattr(checks, "MISSES_TO_REPLAN", 10**9)
     from chameleon_swap.policy import block_modes        # nor from mixes' wall-clock times
     monkeypatch.setattr(block_modes.BlockModes, "measured", lambda self, key, ids: {})
+    # Nor are keep views corrected by timed steps: ticks count marks, and a mix that saves less
+    # takes fewer (keep_views.corrected is tested on its own, and on the real clock).
+    from chameleon_swap.policy import keep_views
+    monkeypatch.setattr(keep_views, "corrected", lambda *a, **k: None)
+    # Nor is planning again rationed by the wall time the steps ran (may_replan).
+    monkeypatch.setattr(block_modes, "PLANNING_SHARE", float("inf"))
 
 
 @pytest.fixture(params=["steady", "emulated link"])

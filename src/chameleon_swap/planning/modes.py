@@ -35,10 +35,10 @@ the emulated link, one block kept and three recomputed was predicted within 5% o
 recomputed and ran 10-15% slower: its kept block's copies back waited behind the recomputes'
 working sets longer than the timeline foresaw). So a mix that ran at this size is ranked by the
 step time it was measured at (``measured``), and is always a candidate: a mix the model overrates
-is tried at most once more than it deserves, and the search falls back to the best that ran. The
-mixes that ran also calibrate the predictions of those that did not (their median of measured
-over predicted), so that a model that reads every mix fast does not make every mix that ran look
-worse than every one that did not.
+is tried at most once more than it deserves, and the search falls back to the best that ran. Two
+or more mixes that ran also calibrate the predictions of those that did not (the least ratio of
+measured over predicted among them), so that a model that reads every mix fast does not make
+every mix that ran look worse than every one that did not.
 
 Host memory is bounded too (``host_limit``: the room of the host arena, ``host_memory_limit``):
 every byte a plan copies out holds a host buffer until backward releases its tensor, so a mix
@@ -56,6 +56,7 @@ from .timeline import Plan, Prediction, Profile, Span, simulate, unmoved_peak
 
 MODES = ("keep", "selective", "full")
 CALIBRATION_CLAMP = (0.5, 2.0)   # measured over predicted step time, believed within
+MIN_CALIBRATION_RUNS = 2         # mixes that ran before their ratio calibrates the others
 QUICK_EVALS = 48          # swap-planner simulations per candidate mix while searching (24 were
                           # tried: half the time, but a 4-block Llama's full mix found no swap
                           # set that fits, and the search kept everything)
@@ -315,14 +316,18 @@ class _ModeSearch:
 
     def run(self) -> tuple:
         # The mixes that ran calibrate the model for those that did not: what they ran at over
-        # what it predicts of them (the median; a model that reads every mix 10% fast would
-        # otherwise make each mix that ran look worse than each that did not).
+        # what it predicts of them (a model that reads every mix 10% fast would otherwise make
+        # each mix that ran look worse than each that did not). The least ratio: a mix that did
+        # not run gets the benefit of the doubt, since some ran slow for reasons of their own
+        # (a recompute the keep view cannot see), and trying it costs one step. From two on:
+        # calibrated by one, the others keep their order behind it, and a mix that ran slow
+        # would never be left.
         ratios = sorted(t / p.predicted.total_seconds for t, p in
                         ((t, self._plan(m)) for m, t in self.measured.items())
                         if p.predicted.total_seconds > 0)
-        if ratios:
+        if len(ratios) >= MIN_CALIBRATION_RUNS:
             lo, hi = CALIBRATION_CLAMP
-            self.calibration = min(hi, max(lo, ratios[len(ratios) // 2]))
+            self.calibration = min(hi, max(lo, ratios[0]))
         n = len(self.order)
         cands = [self.best_k(self.family("full", "keep"), n)]
         if n and all(self.blocks[b].selective_known for b in self.order):

@@ -28,6 +28,7 @@ size.
 from __future__ import annotations
 
 import statistics
+import time
 import warnings
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
@@ -36,15 +37,15 @@ from ..config import format_bytes
 from ..copy.host_pool import ALIGN
 from ..planning.modes import Block, HybridPlan, plan_hybrid, working_set
 from ..planning.signatures import step_size
-from . import keep_views
 from ..planning.timeline import Profile
+from . import keep_views
 from .keep_views import KeepView, scaled
 
 REPLAN_BUDGET_CHANGE = 0.05     # a budget that moved by more than this re-plans the key
 REPLAN_MOVE_CHANGE = 0.3       # so does a cost of a move that changed by more than this
-FULL_RATIO_CLAMP = (0.25, 2.0)  # a full recompute against its kept forward, believed within
 RUNS_KEPT = 3                   # step times kept per mix and size (their median ranks the mix)
 MISS = 0.10                     # a mix that ran this much slower than its plan said: plan again
+PLANNING_SHARE = 0.25           # planning again takes at most this share of the steps' time
 
 
 @dataclass
@@ -82,6 +83,8 @@ class BlockModes:
         self.warned_host = False
         self.stale: set = set()                         # keys to plan again (the link changed)
         self.runs: dict[int, dict[tuple, list]] = {}    # per key: mix -> step seconds it ran
+        self.planning_seconds = 0.0                     # spent making mode plans
+        self.trained_seconds = 0.0                      # steps with a budget ran (see may_replan)
         self.begin_step(None)
 
     # ------------------------------------------------------------------ during the step
@@ -159,13 +162,27 @@ class BlockModes:
         """Correct the key's compute by ``compute_factor`` and its memory by ``missed_bytes``
         (what the guard had to move beyond the plan: the model counted that much too few
         resident bytes), and plan it again (the link is the bandwidth function's, corrected by
-        the caller)."""
+        the caller) when the planning time allows (``may_replan``), else at a later step."""
         self.compute_scale[key] = self.compute_scale.get(key, 1.0) * compute_factor
         if self.budget is not None and missed_bytes > 0:
             self.margin[key] = min(self.budget // 4, self.margin.get(key, 0) + missed_bytes)
+        if not self.may_replan():
+            self.stale.add(key)
+            return
+        self.stale.discard(key)
         self._make(key)
         if key in self.plans:
             self.plans[key].replanned = True
+
+    def may_replan(self) -> bool:
+        """Whether planning a size again fits the planning time allowed so far: at most
+        ``PLANNING_SHARE`` of the seconds the steps with a budget ran. A size's first plan is
+        always made; planning it again is an improvement, and one worth less than it costs
+        on a short run: on an 8-block HF Llama a mode plan takes 0.1-0.3 s, two to five of its
+        steps, and planning every size again as the model learnt (its keep views corrected,
+        selective measured, what a move costs, mixes that ran) made 14 plans in 24 steps for
+        mixes 5-10% apart."""
+        return self.planning_seconds <= PLANNING_SHARE * self.trained_seconds
 
     def run_full(self, b: int, estimate: int, input_bytes: int) -> str:
         """Block ``b`` runs full although its plan keeps it (no host room for what keeping it
@@ -218,6 +235,7 @@ class BlockModes:
         if not ok or self.budget is None or self.key is None or not calls:
             return
         self.visits[self.key] = self.visits.get(self.key, 0) + 1
+        self.trained_seconds += profile.step_seconds or 0.0
         first = {}
         for c in calls:                      # the first call of each block (one per step)
             first.setdefault(c.block, c)
@@ -237,15 +255,14 @@ class BlockModes:
             self._learn_selective(calls)
         self._learn_full(calls)
         plan = self.plans.get(self.key)
-        if self.key in self.stale or (plan is not None and plan.key == self.key
-                                      and _moved(plan.move_seconds, self.move_fn(),
-                                                 REPLAN_MOVE_CHANGE)):
+        moved = plan is not None and _moved(plan.move_seconds, self.move_fn(), REPLAN_MOVE_CHANGE)
+        if self.key in self.stale or (moved and plan.key == self.key):
             # The link changed, or what a move costs did (learnt since): plan the key again.
-            self.stale.discard(self.key)
             self.replan(self.key, 1.0)
-        elif (plan is None or (not plan.measured and self.key in self.views)
-                or _moved(plan.budget, self.budget)):
+        elif plan is None or _moved(plan.budget, self.budget, REPLAN_BUDGET_CHANGE):
             self._make(self.key)
+        elif not plan.measured and self.key in self.views:
+            self.replan(self.key, 1.0)   # its own keep view now: an improvement
 
     def _learn_run(self, profile, calls: list) -> None:
         """The step's time against the mix it ran (its blocks' modes as run: a probe, a block
@@ -284,52 +301,36 @@ class BlockModes:
                                                 self.input_bytes)
 
     def _learn_full(self, calls: list) -> None:
-        """What a full recompute takes against the keep view's forward time of the same block:
-        the keep view's forward carries the engine's saved-tensor hooks (one call per saved
-        tensor), the recompute runs under checkpoint's instead. Measured on a 4-block HF Llama
-        on this CPU: kept forwards read 21-23 ms a block, which a step of full recomputation
-        repeated in about 15 ms; planned from the kept figure, the all-full mix looked 40%
-        dearer than it ran. A running mean, used by the plans made after it."""
+        """A full recompute's time against its kept forward (``keep_views.full_ratio``): a
+        running mean, used by the plans made after it. No key is planned again for it (a mode
+        plan costs 50-500 ms on 8 blocks; replanning every key when it changed made a 12-step
+        demo plan on most of its steps)."""
         view = self._view_near(self.input_bytes)
-        if view is None:
-            return
-        scale = self.input_bytes / max(1, view.input_bytes)
-        ratios = []
-        for c in calls:
-            if c.mode != "full" or not c.recompute_seconds or c.block not in view.block_ids:
-                continue
-            fwd = view.blocks[view.block_ids.index(c.block)].forward_seconds * scale
-            if fwd > 0:
-                ratios.append(c.recompute_seconds / fwd)
-        if not ratios:
-            return
-        r = min(FULL_RATIO_CLAMP[1], max(FULL_RATIO_CLAMP[0], sum(ratios) / len(ratios)))
-        old = self.full_seconds_ratio
-        self.full_seconds_ratio = r if old is None else 0.5 * r + 0.5 * old
-        # No key is planned again for it: the plans made from now on use it (a mode plan costs
-        # 50-500 ms on 8 blocks; replanning every key when it changed made a 12-step demo plan
-        # on most of its steps).
+        r = view and keep_views.full_ratio(view, calls, self.input_bytes)
+        if r:
+            old = self.full_seconds_ratio
+            self.full_seconds_ratio = r if old is None else 0.5 * r + 0.5 * old
 
     def _learn_selective(self, calls: list) -> None:
         b = self.probing
         self._probe, self._probed = None, True
         call = next((c for c in calls if c.block == b and c.mode == "selective"), None)
         view = self._view_near(self.input_bytes)
-        if call is None or view is None or b not in view.block_ids or not call.recompute_seconds:
-            return
-        blk = view.blocks[view.block_ids.index(b)]
-        scale = self.input_bytes / max(1, view.input_bytes)
-        kept = working_set(view.profile, blk) * scale
-        fwd = blk.forward_seconds * scale
-        if kept <= 0 or fwd <= 0:
-            return
-        self.sel_bytes_ratio = call.selective_bytes / kept
-        self.sel_seconds_ratio = call.recompute_seconds / fwd
-        # Every key is planned again with selective known, at its next visit (which still
-        # runs, and reads, the plan it has: a size that comes back keeps its cached plan).
-        self.stale.update(self.plans)
+        got = call and view and keep_views.selective_ratios(view, call, self.input_bytes)
+        if got:
+            self.sel_bytes_ratio, self.sel_seconds_ratio = got
+            # Every key is planned again with selective known, at its next visit (which still
+            # runs, and reads, the plan it has: a size that comes back keeps its cached plan).
+            self.stale.update(self.plans)
 
     def _make(self, key: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._plan_key(key)
+        finally:
+            self.planning_seconds += time.perf_counter() - t0
+
+    def _plan_key(self, key: int) -> None:
         view = self.views.get(key)
         measured = view is not None
         if view is None:
@@ -394,7 +395,5 @@ class BlockModes:
         return blk
 
 
-
-
-def _moved(planned, now, share: float = REPLAN_BUDGET_CHANGE) -> bool:
+def _moved(planned, now, share: float) -> bool:
     return abs(now - planned) > share * max(1e-12 if isinstance(planned, float) else 1, planned)
