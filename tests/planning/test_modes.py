@@ -334,3 +334,21 @@ def test_mixes_that_ran_but_cannot_run_now_are_not_candidates():
     best = plan_hybrid(prof, blocks, budget)
     bogus = {("selective",) * 4: 1e-9, ("full",) * 3: 1e-9}   # unknown figures; wrong length
     assert plan_hybrid(prof, blocks, budget, measured=bogus).modes == best.modes
+
+
+def test_the_mix_a_size_runs_stays_unless_another_is_clearly_faster():
+    from chameleon_swap.planning.modes import SWITCH_GAIN
+    prof, blocks = keep_view(bw=1e9)             # kkkk 37 ms, kkkf 40, kkff 43, kfff 46
+    budget = unmoved_peak(prof) // 2
+    best = plan_hybrid(prof, blocks, budget)
+    assert best.modes == ("keep",) * 4
+    # A mix 8% slower than the best gives way to it.
+    slower = ("keep", "keep", "keep", "full")
+    assert plan_hybrid(prof, blocks, budget, incumbent=slower).modes == best.modes
+    # Measured within SWITCH_GAIN of the best, it stays: a switch costs steps of its own.
+    near = {slower: best.predicted.total_seconds / (1 - SWITCH_GAIN / 2)}
+    assert plan_hybrid(prof, blocks, budget, measured=near, incumbent=slower).modes == slower
+    assert plan_hybrid(prof, blocks, budget, measured=near).modes == best.modes
+    # An incumbent that cannot run now (selective, never measured) is no candidate.
+    odd = ("selective",) * 4
+    assert plan_hybrid(prof, blocks, budget, incumbent=odd).modes == best.modes

@@ -57,6 +57,7 @@ from .timeline import Plan, Prediction, Profile, Span, simulate, unmoved_peak
 MODES = ("keep", "selective", "full")
 CALIBRATION_CLAMP = (0.5, 2.0)   # measured over predicted step time, believed within
 MIN_CALIBRATION_RUNS = 2         # mixes that ran before their ratio calibrates the others
+SWITCH_GAIN = 0.05               # a size leaves the mix it runs for one this much faster only
 QUICK_EVALS = 48          # swap-planner simulations per candidate mix while searching (24 were
                           # tried: half the time, but a 4-block Llama's full mix found no swap
                           # set that fits, and the search kept everything)
@@ -186,14 +187,18 @@ def full_recompute_modes(blocks: Sequence[Block]) -> tuple[str, ...]:
 def plan_hybrid(profile: Profile, blocks: Sequence[Block], budget: Optional[int], *,
                 max_evals: Optional[int] = None,
                 host_limit: Optional[int] = None,
-                measured: Optional[Mapping[tuple, float]] = None) -> HybridPlan:
+                measured: Optional[Mapping[tuple, float]] = None,
+                incumbent: Optional[tuple] = None) -> HybridPlan:
     """Block modes and swap set with the least predicted step time under ``budget``, copying
     out at most ``host_limit`` bytes where any mix can (None: host memory is not bounded).
 
     Nothing is recomputed or moved when the keep view's unmoved peak fits. ``max_evals`` bounds
     the swap planner's simulations for the final plan (its default otherwise). ``measured``:
     step seconds that mixes (modes per block) were measured to run at this size; such a mix is
-    ranked by what it ran, not by what the model predicts of it, and is always a candidate."""
+    ranked by what it ran, not by what the model predicts of it, and is always a candidate.
+    ``incumbent``: the mix the size runs now; it stays unless another is ``SWITCH_GAIN``
+    faster (a new mix costs steps of its own: its first swap plans are the guard's and made
+    from estimates)."""
     keep = tuple("keep" for _ in blocks)
     if budget is None or unmoved_peak(profile) <= budget:
         return _made(profile, blocks, keep, Plan(frozenset(), {}, budget,
@@ -203,7 +208,7 @@ def plan_hybrid(profile: Profile, blocks: Sequence[Block], budget: Optional[int]
     blocks = [replace(b, eligible=False) if b.eligible and working_set(profile, b) > budget
               else b for b in blocks]
     search = _ModeSearch(profile, blocks, budget, host_limit, measured)
-    best = search.run()
+    best = search.run(incumbent)
     # The search compared quick swap plans, the three uniform mixes (swap only, all selective
     # where measured, all full) always among them, so the winner's is never above theirs where
     # they fit. The winner is then planned in full, kept only if that is better still.
@@ -314,7 +319,7 @@ class _ModeSearch:
     def best_k(self, modes, n: int) -> tuple:
         return modes(best_count(lambda k: self.score(modes(k)), n))
 
-    def run(self) -> tuple:
+    def run(self, incumbent: Optional[tuple] = None) -> tuple:
         # The mixes that ran calibrate the model for those that did not: what they ran at over
         # what it predicts of them (a model that reads every mix 10% fast would otherwise make
         # each mix that ran look worse than each that did not). The least ratio: a mix that did
@@ -335,4 +340,14 @@ class _ModeSearch:
             cands.append(self.best_k(self.family("full", "selective"), n))
         cands += self.uniform()                 # always: swap only, all selective, all full
         cands += list(self.measured)
-        return min(cands, key=lambda m: (self.score(m), m))
+        best = min(cands, key=lambda m: (self.score(m), m))
+        if incumbent is None or len(incumbent) != len(self.blocks) or incumbent == best:
+            return best
+        if any(m not in MODES or (m != "keep" and not blk.eligible)
+               or (m == "selective" and not blk.selective_known)
+               for m, blk in zip(incumbent, self.blocks)):
+            return best
+        now, new = self.score(incumbent), self.score(best)
+        if now[:3] == new[:3] and new[3] > (1 - SWITCH_GAIN) * now[3]:
+            return incumbent             # fits as well, and not clearly slower: it stays
+        return best

@@ -175,13 +175,10 @@ class BlockModes:
             self.plans[key].replanned = True
 
     def may_replan(self) -> bool:
-        """Whether planning a size again fits the planning time allowed so far: at most
-        ``PLANNING_SHARE`` of the seconds the steps with a budget ran. A size's first plan is
-        always made; planning it again is an improvement, and one worth less than it costs
-        on a short run: on an 8-block HF Llama a mode plan takes 0.1-0.3 s, two to five of its
-        steps, and planning every size again as the model learnt (its keep views corrected,
-        selective measured, what a move costs, mixes that ran) made 14 plans in 24 steps for
-        mixes 5-10% apart."""
+        """Planning a size again fits the planning time allowed so far (``PLANNING_SHARE`` of
+        the steps' seconds; a first plan is always made). On an 8-block HF Llama a mode plan
+        takes 0.1-0.3 s, 2-5 of its steps; planning again on all that was learnt (views, selective,
+        moves, mixes that ran) made 14 plans in 24 steps, for mixes 5-10% apart."""
         return self.planning_seconds <= PLANNING_SHARE * self.trained_seconds
 
     def run_full(self, b: int, estimate: int, input_bytes: int) -> str:
@@ -348,8 +345,11 @@ class BlockModes:
         # Host room: the limit less a page per span (every host buffer takes whole pages).
         host = (None if self.host_limit is None
                 else max(0, self.host_limit - ALIGN * len(prof.spans)))
+        old = self.plans.get(key)
+        now = (tuple(old.modes.get(b, "keep") for b in view.block_ids)
+               if old is not None and old.key == key else None)
         hp = plan_hybrid(prof, blocks, self.budget - self.margin.get(key, 0), host_limit=host,
-                         measured=self.measured(key, view.block_ids))
+                         measured=self.measured(key, view.block_ids), incumbent=now)
         modes = dict(zip(view.block_ids, hp.modes))
         self.plans[key] = ModePlan(modes, dict(zip(view.block_ids, hp.working_set)),
                                    view.input_bytes, self.budget, measured, hp, key=key,
