@@ -25,7 +25,14 @@ def test_the_four_legs_run_side_by_side_and_say_who_won():
     assert len(c["legs"]["chameleon model="]["block_modes"]) == 4
     assert c["emulated_link_bytes_per_s"] > 0                  # the CPU runs on an emulated link
     assert "gradient checkpointing" in c["verdict"] and "as fast as" in c["verdict"]
+    # Both views: the whole run (first plans and learning included) and its last half.
+    for leg in choice.LEGS:
+        steady = c["steps"][len(c["steps"]) // 2:]
+        assert c["legs"][leg]["steady_ratio_vs_none"] == pytest.approx(
+            sum(r[leg]["seconds"] for r in steady) / sum(r["none"]["seconds"] for r in steady))
+    assert "over the last 2" in c["verdict"]
     lines = choice.table(c)
+    assert "last 2" in lines[1]
     assert lines[-1] == c["verdict"] and any("block modes" in x for x in lines)
 
 

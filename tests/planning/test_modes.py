@@ -352,3 +352,19 @@ def test_the_mix_a_size_runs_stays_unless_another_is_clearly_faster():
     # An incumbent that cannot run now (selective, never measured) is no candidate.
     odd = ("selective",) * 4
     assert plan_hybrid(prof, blocks, budget, incumbent=odd).modes == best.modes
+
+
+def test_a_recomputed_block_runs_its_forward_at_its_recompute_time_where_that_is_less():
+    # Kept, a block's saves go through the engine's hooks; recomputed, through checkpoint's:
+    # where its recompute was measured at half its kept forward, so is its forward.
+    prof, blocks = keep_view(n_blocks=2, per_block=3, fwd=1e-3)
+    half = replace(blocks[0], forward_seconds=1.5e-3, kept_seconds=3e-3)
+    view = apply_modes(prof, [half, blocks[1]], ("full", "keep"))
+    assert view.compute[1:4] == pytest.approx((0.5e-3,) * 3)     # its forward slots, halved
+    assert view.compute[4:7] == prof.compute[4:7]                 # the kept block's unchanged
+    # The recompute itself costs forward_seconds in backward, as before.
+    assert sum(view.compute) == pytest.approx(sum(prof.compute) - 1.5e-3 + 1.5e-3)
+    # No kept figure, or one below the recompute's: the forward stands as measured.
+    for kept in (None, 1e-3):
+        same = apply_modes(prof, [replace(half, kept_seconds=kept), blocks[1]], ("full", "keep"))
+        assert same.compute[1:4] == prof.compute[1:4]

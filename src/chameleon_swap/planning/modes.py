@@ -15,8 +15,10 @@ into the timeline of a mix of modes:
 
 * keep: unchanged.
 * full: the block's spans are gone; one movable span of its input bytes is saved where the block
-  began and needed where its backward begins; that slot gains the block's forward time (the
-  recompute) and, from then until the block's backward ends, the block's saved bytes beyond its
+  began and needed where its backward begins; its forward slots take its recompute's time where
+  it was measured below its kept forward (``kept_seconds``: a kept block's saves go through the
+  engine's hooks, a recomputed one's through checkpoint's); the slot where its backward begins
+  gains the block's forward time (the recompute) and, from then until the block's backward ends, the block's saved bytes beyond its
   inputs are held (``reserve``): the recompute re-creates them, and saves its inputs (which its
   first operations save when kept) again in place.
 * selective: the same, except that the recompute costs the measured selective time and the bytes
@@ -72,6 +74,8 @@ class Block:
     selective_bytes: Optional[int] = None      # kept by selective checkpointing (None: unknown)
     selective_seconds: Optional[float] = None  # recompute time of selective (None: unknown)
     eligible: bool = True              # False: left as the user wrote it (always keep)
+    kept_seconds: Optional[float] = None   # its forward as measured kept, when that is more
+                                           #   than ``forward_seconds`` (see apply_modes)
 
     def __post_init__(self) -> None:
         if not 0 <= self.first_span <= self.end_span:
@@ -144,6 +148,12 @@ def apply_modes(profile: Profile, blocks: Sequence[Block], modes: Sequence[str])
         end = max(sp.use for sp in spans if sp.use < n_slots)   # the block's backward, in slots
         added.append((first_save, b, Span(blk.input_bytes, first_save, begin)))
         held = sum(sp.nbytes for sp in spans)
+        if blk.kept_seconds and 0 < blk.forward_seconds < blk.kept_seconds:
+            # Run under checkpoint, its forward saves nothing through the engine's hooks: it
+            # takes what its recompute does, not what it took kept.
+            f = blk.forward_seconds / blk.kept_seconds
+            for s in range(blk.first_span + 1, min(blk.end_span, profile.n_forward) + 1):
+                compute[s] *= f
         if mode == "full":
             compute[begin] += blk.forward_seconds
         else:

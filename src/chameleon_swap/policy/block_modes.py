@@ -391,7 +391,8 @@ class BlockModes:
             blk = replace(blk, selective_bytes=int(kept * self.sel_bytes_ratio),
                           selective_seconds=blk.forward_seconds * self.sel_seconds_ratio)
         if self.full_seconds_ratio is not None:
-            blk = replace(blk, forward_seconds=blk.forward_seconds * self.full_seconds_ratio)
+            blk = replace(blk, forward_seconds=blk.forward_seconds * self.full_seconds_ratio,
+                          kept_seconds=blk.forward_seconds)
         return blk
 
 
