@@ -263,24 +263,23 @@ class BlockModes:
 
     def _learn_run(self, profile, calls: list) -> None:
         """The step's time against the mix it ran (its blocks' modes as run: a probe, a block
-        run full for host room or kept for its size make another mix). The first step of a mix
-        at a size is not counted: its swap plan is still the guard's, or made from estimates."""
+        run full for host room or kept for its size make another mix). Its first step counts
+        too, though its swap plan is still the guard's or made from estimates (slower than it
+        will run): left out, a mix tried once and left looked untried, and was tried again at
+        every plan (measured: a size flipping between two mixes on each of its visits)."""
         plan = self.plan
         if plan is None or plan.key != self.key or not profile.step_seconds:
             return
         mix = tuple(sorted((c.block, c.mode) for c in calls))
-        runs = self.runs.setdefault(self.key, {})
-        seen = runs.get(mix)
-        if seen is None:
-            runs[mix] = []                  # its first step: known to have run, not timed
-            return
+        seen = self.runs.setdefault(self.key, {}).setdefault(mix, [])
         seen.append(profile.step_seconds)
         del seen[:-RUNS_KEPT]
         planned = tuple(sorted((b, plan.modes.get(b, "keep")) for b, _ in mix))
         pred = self.predicted_seconds()
-        if len(seen) == 1 and mix == planned and pred and profile.step_seconds > pred * (1 + MISS):
-            # The mix the plan chose ran slower than it predicted: ranked now by what it ran
-            # at, the size is planned again (once per mix: its later steps only update it).
+        if (len(seen) == 2 and mix == planned and pred
+                and statistics.median(seen) > pred * (1 + MISS)):
+            # The mix the plan chose ran slower than it predicted, on its first two steps: ranked
+            # now by what it ran at, the size is planned again (once per mix).
             self.stale.add(self.key)
 
     def measured(self, key: int, block_ids: list) -> dict:
