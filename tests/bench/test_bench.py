@@ -328,9 +328,33 @@ def test_bench_command_rejects_bad_names_with_the_valid_ones(argv, match, capsys
     assert match.split(";")[0] in capsys.readouterr().err
 
 
-def test_demo_end_to_end(tmp_path, capsys):
+def test_demo_end_to_end(tmp_path, capsys, monkeypatch):
+    from chameleon_swap.bench import demo
+    bars = []
+    real = demo.progress
+
+    def counted(total, description):
+        bar = {"total": total, "done": 0}
+        bars.append(bar)
+        ctx = real(total, description)
+
+        class Counted:
+            def __enter__(self):
+                inner = ctx.__enter__()
+
+                def advance(*a, **k):
+                    bar["done"] += 1
+                    inner(*a, **k)
+                return advance
+
+            def __exit__(self, *exc):
+                return ctx.__exit__(*exc)
+        return Counted()
+    monkeypatch.setattr(demo, "progress", counted)
     out = tmp_path / "demo"
     assert cli.main(["demo", "--size", "tiny", "--steps", "5", "--out", str(out)]) == 0
+    # Each progress bar counts to its total (the sweep's once overran it: 360 of 240).
+    assert bars and all(b["done"] == b["total"] for b in bars), bars
     s = json.loads((out / "summary.json").read_text())
     for key in ("budget_bytes", "max_peak_resident_bytes", "losses_identical", "overhead_ratio",
                 "sequence_changes", "steps"):

@@ -29,7 +29,7 @@ from ..config import format_bytes
 from .commands import CHOICE_STEPS
 from . import choice as choice_leg
 from .env import environment, progress
-from .harness import SweepConfig, natural_peak, run_sweep
+from .harness import SweepConfig, natural_peak, run_sweep, steps_per_workload
 from .report import SOURCES, markdown
 
 WORKLOADS = ("llama-varlen", "moe")
@@ -59,7 +59,7 @@ def run_demo(out_dir: Path, *, steps: int = DEFAULT_STEPS, size: str = "small",
     budget = int(FRACTION * max(naturals.values()))
     cfg = dataclasses.replace(cfg, budgets=[budget])
     env = environment(dev)
-    with progress(2 * steps * len(WORKLOADS), "demo") as advance:
+    with progress(steps_per_workload(cfg) * len(cfg.resolved), "demo") as advance:
         records = run_sweep(cfg, env, progress=advance, natural_peaks=naturals)
     summary = summarize(records, budget, naturals, env, cfg)
     why = choice_leg.available() if choice_steps else "skipped (choice_steps=0)"
