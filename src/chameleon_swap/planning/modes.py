@@ -27,10 +27,12 @@ into the timeline of a mix of modes:
 
 ``plan_hybrid`` searches families of mixes (blocks converted in order of the shortest wait between
 their forward and their backward, since those are the ones the link cannot hide), runs the swap
-planner on each and keeps the least predicted time under the budget. The uniform mixes (swap only,
-all selective where measured, all full) are always among the candidates, so the result is never
-predicted slower than any of them (as the search plans their swaps) where it fits. When no mix fits, the one with
-the smallest peak is chosen (the policy then warns), never the one that keeps everything.
+planner on each (a rough plan, ``ROUGH_EVALS`` simulations; the best ``REFINED`` mixes are then
+planned with ``QUICK_EVALS``) and keeps the least predicted time under the budget. The uniform
+mixes (swap only, all selective where measured, all full) are always among the candidates, so
+the result is never predicted slower than any of them (as the search plans their swaps) where it
+fits. When no mix fits, the one with the smallest peak is chosen (the policy then warns), never
+the one that keeps everything.
 
 A model is a model: mixes it ranks close can run far apart (on a 4-block HF Llama at 25% on
 the emulated link, one block kept and three recomputed was predicted within 5% of all four
@@ -60,6 +62,8 @@ MODES = ("keep", "selective", "full")
 CALIBRATION_CLAMP = (0.5, 2.0)   # measured over predicted step time, believed within
 MIN_CALIBRATION_RUNS = 2         # mixes that ran before their ratio calibrates the others
 SWITCH_GAIN = 0.05               # a size leaves the mix it runs for one this much faster only
+ROUGH_EVALS = 16          # swap-planner simulations per mix while the search ranks mixes,
+REFINED = 3               # then this many of the best are planned again with QUICK_EVALS
 QUICK_EVALS = 48          # swap-planner simulations per candidate mix while searching (24 were
                           # tried: half the time, but a 4-block Llama's full mix found no swap
                           # set that fits, and the search kept everything)
@@ -275,6 +279,7 @@ class _ModeSearch:
                                  mode == "full" or blk.selective_known))
                              for mode, blk in zip(m, blocks))}
         self.calibration = 1.0   # measured over predicted, of the mixes that ran (see run)
+        self.refined: set = set()
         self.order = conversion_order(profile, blocks)
         self.views: dict[tuple, Profile] = {}
         self.plans: dict[tuple, Plan] = {}
@@ -310,8 +315,17 @@ class _ModeSearch:
         p = self.plans.get(modes)
         if p is None:
             p = self.plans[modes] = plan_swaps(self.view(modes), self.budget,
-                                               max_evals=QUICK_EVALS)
+                                               max_evals=ROUGH_EVALS)
         return p
+
+    def refine(self, modes: tuple) -> None:
+        """Plan ``modes``'s swaps with ``QUICK_EVALS`` (kept where better than the rough plan)."""
+        if modes in self.refined:
+            return
+        self.refined.add(modes)
+        p = plan_swaps(self.view(modes), self.budget, max_evals=QUICK_EVALS)
+        if self.key(p.predicted, modes) <= self.score(modes):
+            self.plans[modes] = p
 
     def score(self, modes: tuple) -> tuple:
         return self.key(self._plan(modes).predicted, modes)
@@ -337,6 +351,8 @@ class _ModeSearch:
         # (a recompute the keep view cannot see), and trying it costs one step. From two on:
         # calibrated by one, the others keep their order behind it, and a mix that ran slow
         # would never be left.
+        for m in self.measured:
+            self.refine(m)
         ratios = sorted(t / p.predicted.total_seconds for t, p in
                         ((t, self._plan(m)) for m, t in self.measured.items())
                         if p.predicted.total_seconds > 0)
@@ -350,12 +366,21 @@ class _ModeSearch:
             cands.append(self.best_k(self.family("full", "selective"), n))
         cands += self.uniform()                 # always: swap only, all selective, all full
         cands += list(self.measured)
-        best = min(cands, key=lambda m: (self.score(m), m))
-        if incumbent is None or len(incumbent) != len(self.blocks) or incumbent == best:
-            return best
-        if any(m not in MODES or (m != "keep" and not blk.eligible)
-               or (m == "selective" and not blk.selective_known)
-               for m, blk in zip(incumbent, self.blocks)):
+        if incumbent is not None and (len(incumbent) != len(self.blocks) or any(
+                m not in MODES or (m != "keep" and not blk.eligible)
+                or (m == "selective" and not blk.selective_known)
+                for m, blk in zip(incumbent, self.blocks))):
+            incumbent = None                    # it cannot run now: no candidate
+        if incumbent is not None:
+            cands.append(incumbent)
+            self.refine(incumbent)
+        # Rough swap plans ranked the mixes; the best few are planned again with more care.
+        # (A rough plan reads a mix slower than it is, never faster: refining only lowers.)
+        cands = sorted(set(cands), key=lambda m: (self.score(m), m))
+        for m in cands[:REFINED]:
+            self.refine(m)
+        best = min(cands[:REFINED], key=lambda m: (self.score(m), m))
+        if incumbent is None or incumbent == best:
             return best
         now, new = self.score(incumbent), self.score(best)
         if now[:3] == new[:3] and new[3] > (1 - SWITCH_GAIN) * now[3]:
