@@ -332,3 +332,22 @@ def test_planning_time_stays_within_its_share_after_the_first_plans_on_the_emula
         again = modes.planning_seconds - sum(firsts)
         # One plan may start while within the share and end past it.
         assert again <= PLANNING_SHARE * modes.trained_seconds + max(firsts, default=0.0)
+
+
+def test_a_replan_put_off_takes_no_second_correction_against_the_same_plan(monkeypatch):
+    # Misses measured against one plan correct its model once: while the replan waits for its
+    # share of time, later misses of the same plan would correct it again, compounding.
+    from chameleon_swap.policy import block_modes
+    modes = block_modes.BlockModes(lambda: (1e9, 1e9))
+    monkeypatch.setattr(modes, "_plan_key", lambda key: None)
+    modes.planning_seconds, modes.trained_seconds = 1.0, 1.0
+    modes.begin_step(1000)
+    modes.replan(7, 0.8, missed_bytes=100)
+    modes.replan(7, 0.8, missed_bytes=100)
+    assert modes.compute_scale[7] == 0.8 and modes.margin[7] == 100
+    modes.trained_seconds = 100.0                                # within its share now
+    modes.replan(7, 1.0)
+    assert 7 not in modes.stale and 7 not in modes.put_off
+    modes.planning_seconds = 1e9                                 # a new plan, new misses
+    modes.replan(7, 0.5)
+    assert modes.compute_scale[7] == 0.4

@@ -40,10 +40,10 @@ from ..planning.signatures import step_size
 from ..planning.timeline import Profile
 from . import keep_views
 from .keep_views import KeepView, scaled
+from .mix_runs import MixRuns
 
 REPLAN_BUDGET_CHANGE = 0.05     # a budget that moved by more than this re-plans the key
 REPLAN_MOVE_CHANGE = 0.3       # so does a cost of a move that changed by more than this
-RUNS_KEPT = 3                   # step times kept per mix and size (their median ranks the mix)
 MISS = 0.10                     # a mix that ran this much slower than its plan said: plan again
 PLANNING_SHARE = 0.25           # planning again takes at most this share of the steps' time
 
@@ -82,9 +82,10 @@ class BlockModes:
         self.host_limit: Optional[int] = None           # host_memory_limit (set by the policy)
         self.warned_host = False
         self.stale: set = set()                         # keys to plan again (the link changed)
-        self.runs: dict[int, dict[tuple, list]] = {}    # per key: mix -> step seconds it ran
+        self.runs = MixRuns()                           # per key: what each mix ran at
         self.planning_seconds = 0.0                     # spent making mode plans
         self.trained_seconds = 0.0                      # steps with a budget ran (see may_replan)
+        self.put_off: set = set()                       # keys whose replan waits for its share
         self.begin_step(None)
 
     # ------------------------------------------------------------------ during the step
@@ -162,14 +163,18 @@ class BlockModes:
         """Correct the key's compute by ``compute_factor`` and its memory by ``missed_bytes``
         (what the guard had to move beyond the plan: the model counted that much too few
         resident bytes), and plan it again (the link is the bandwidth function's, corrected by
-        the caller) when the planning time allows (``may_replan``), else at a later step."""
-        self.compute_scale[key] = self.compute_scale.get(key, 1.0) * compute_factor
-        if self.budget is not None and missed_bytes > 0:
-            self.margin[key] = min(self.budget // 4, self.margin.get(key, 0) + missed_bytes)
+        the caller) when the planning time allows (``may_replan``), else at a later step. While
+        put off, the plan is the one the corrections were measured against: it takes no more."""
+        if key not in self.put_off:
+            self.compute_scale[key] = self.compute_scale.get(key, 1.0) * compute_factor
+            if self.budget is not None and missed_bytes > 0:
+                self.margin[key] = min(self.budget // 4, self.margin.get(key, 0) + missed_bytes)
         if not self.may_replan():
             self.stale.add(key)
+            self.put_off.add(key)
             return
         self.stale.discard(key)
+        self.put_off.discard(key)
         self._make(key)
         if key in self.plans:
             self.plans[key].replanned = True
@@ -270,10 +275,7 @@ class BlockModes:
         plan = self.plan
         if plan is None or plan.key != self.key or not profile.step_seconds:
             return
-        mix = tuple(sorted((c.block, c.mode) for c in calls))
-        seen = self.runs.setdefault(self.key, {}).setdefault(mix, [])
-        seen.append(profile.step_seconds)
-        del seen[:-RUNS_KEPT]
+        mix, seen = self.runs.add(self.key, calls, profile.step_seconds)
         planned = tuple(sorted((b, plan.modes.get(b, "keep")) for b, _ in mix))
         pred = self.predicted_seconds()
         if (len(seen) == 2 and mix == planned and pred
@@ -283,13 +285,7 @@ class BlockModes:
             self.stale.add(self.key)
 
     def measured(self, key: int, block_ids: list) -> dict:
-        """Mixes (in ``block_ids`` order) that ran at ``key``, with their median step time."""
-        out = {}
-        for mix, secs in self.runs.get(key, {}).items():
-            modes = dict(mix)
-            if secs and set(modes) == set(block_ids):
-                out[tuple(modes[b] for b in block_ids)] = statistics.median(secs)
-        return out
+        return self.runs.measured(key, block_ids)
 
     def _learn_view(self, profile, calls: list) -> None:
         d2h, h2d = self.bandwidth_fn()

@@ -1,0 +1,35 @@
+"""What block-mode mixes ran at, per step size (policy side of the mode search's ``measured``).
+
+A mode plan is chosen on a model; what the mix then runs at is the truth the model answers to.
+Each step's time is kept against the mix it ran (its blocks' modes as run, so a probe or a block
+run full for host room counts as the mix it made) and its step size; the median of the last
+``RUNS_KEPT`` ranks the mix when its size is planned again (``planning.modes.plan_hybrid``).
+"""
+from __future__ import annotations
+
+import statistics
+
+RUNS_KEPT = 3                   # step times kept per mix and size (their median ranks the mix)
+
+
+class MixRuns:
+    def __init__(self) -> None:
+        self.runs: dict[int, dict[tuple, list]] = {}    # key -> ((block, mode), ...) -> seconds
+
+    def add(self, key: int, calls: list, seconds: float) -> tuple[tuple, list]:
+        """The step of ``key`` whose blocks' first calls are ``calls`` took ``seconds``: returns
+        its mix (sorted (block, mode) pairs) and that mix's kept step times, newest last."""
+        mix = tuple(sorted((c.block, c.mode) for c in calls))
+        seen = self.runs.setdefault(key, {}).setdefault(mix, [])
+        seen.append(seconds)
+        del seen[:-RUNS_KEPT]
+        return mix, seen
+
+    def measured(self, key: int, block_ids: list) -> dict:
+        """Mixes (modes in ``block_ids`` order) that ran at ``key``, with their median time."""
+        out = {}
+        for mix, secs in self.runs.get(key, {}).items():
+            modes = dict(mix)
+            if secs and set(modes) == set(block_ids):
+                out[tuple(modes[b] for b in block_ids)] = statistics.median(secs)
+        return out
