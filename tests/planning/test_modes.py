@@ -394,3 +394,25 @@ def test_mixes_are_ranked_on_rough_swap_plans_and_only_the_best_few_planned_with
     # Never worse than the best uniform mix, as before.
     best = _uniform_best(prof, blocks, budget)
     assert best is None or hp.predicted.total_seconds <= best * (1 + 1e-9)
+
+
+def test_a_family_whose_ends_are_far_slower_than_the_best_is_not_searched(monkeypatch):
+    from chameleon_swap.planning import modes
+    calls = []
+    real = modes.plan_swaps
+
+    def counted(view, budget, **kw):
+        calls.append(1)
+        return real(view, budget, **kw)
+    monkeypatch.setattr(modes, "plan_swaps", counted)
+    # A slow link and costly selective: keeping all and selecting all are both far slower than
+    # recomputing, so the (selective, keep) family is skipped, with the same result.
+    prof, blocks = keep_view(n_blocks=8, per_block=2, bw=1e8, selective=0.9)
+    budget = unmoved_peak(prof) // 3
+    pruned = plan_hybrid(prof, blocks, budget)
+    n_pruned = len(calls)
+    calls.clear()
+    monkeypatch.setattr(modes, "HOPELESS", float("inf"))
+    full = plan_hybrid(prof, blocks, budget)
+    assert n_pruned < len(calls)
+    assert pruned.modes == full.modes

@@ -28,7 +28,8 @@ into the timeline of a mix of modes:
 ``plan_hybrid`` searches families of mixes (blocks converted in order of the shortest wait between
 their forward and their backward, since those are the ones the link cannot hide), runs the swap
 planner on each (a rough plan, ``ROUGH_EVALS`` simulations; the best ``REFINED`` mixes are then
-planned with ``QUICK_EVALS``) and keeps the least predicted time under the budget. The uniform
+planned with ``QUICK_EVALS``; a family whose two ends are far slower than the best so far is
+skipped) and keeps the least predicted time under the budget. The uniform
 mixes (swap only, all selective where measured, all full) are always among the candidates, so
 the result is never predicted slower than any of them (as the search plans their swaps) where it
 fits. When no mix fits, the one with the smallest peak is chosen (the policy then warns), never
@@ -62,8 +63,9 @@ MODES = ("keep", "selective", "full")
 CALIBRATION_CLAMP = (0.5, 2.0)   # measured over predicted step time, believed within
 MIN_CALIBRATION_RUNS = 2         # mixes that ran before their ratio calibrates the others
 SWITCH_GAIN = 0.05               # a size leaves the mix it runs for one this much faster only
-ROUGH_EVALS = 16          # swap-planner simulations per mix while the search ranks mixes,
-REFINED = 3               # then this many of the best are planned again with QUICK_EVALS
+ROUGH_EVALS = 12          # swap-planner simulations per mix while the search ranks mixes,
+REFINED = 2               # then this many of the best are planned again with QUICK_EVALS
+HOPELESS = 0.10           # a family whose ends are this much slower than the best is skipped
 QUICK_EVALS = 48          # swap-planner simulations per candidate mix while searching (24 were
                           # tried: half the time, but a 4-block Llama's full mix found no swap
                           # set that fits, and the search kept everything)
@@ -330,6 +332,14 @@ class _ModeSearch:
     def score(self, modes: tuple) -> tuple:
         return self.key(self._plan(modes).predicted, modes)
 
+    def _hopeless(self, a: tuple, b: tuple, best: tuple) -> bool:
+        """Both ends of a family fit no better than the best mix so far, or as well but
+        ``HOPELESS`` slower: its search is skipped (the mixes between them are taken to be no
+        better than its ends, as the search along a family takes the time to be unimodal)."""
+        def far(key: tuple) -> bool:
+            return key[:3] > best[:3] or (key[:3] == best[:3] and key[3] > best[3] * (1 + HOPELESS))
+        return far(self.score(a)) and far(self.score(b))
+
     def family(self, first: str, rest: str):
         order, n_blocks = self.order, len(self.blocks)
 
@@ -344,13 +354,11 @@ class _ModeSearch:
         return modes(best_count(lambda k: self.score(modes(k)), n))
 
     def run(self, incumbent: Optional[tuple] = None) -> tuple:
-        # The mixes that ran calibrate the model for those that did not: what they ran at over
-        # what it predicts of them (a model that reads every mix 10% fast would otherwise make
-        # each mix that ran look worse than each that did not). The least ratio: a mix that did
-        # not run gets the benefit of the doubt, since some ran slow for reasons of their own
-        # (a recompute the keep view cannot see), and trying it costs one step. From two on:
-        # calibrated by one, the others keep their order behind it, and a mix that ran slow
-        # would never be left.
+        # The mixes that ran calibrate those that did not (measured over predicted; else a model
+        # reading every mix 10% fast makes each that ran look worse than each that did not). The
+        # least ratio: a mix that did not run gets the benefit of the doubt (some ran slow for
+        # reasons of their own: a recompute the keep view cannot see). From two on: calibrated
+        # by one, the others keep their order behind it, and a slow mix would never be left.
         for m in self.measured:
             self.refine(m)
         ratios = sorted(t / p.predicted.total_seconds for t, p in
@@ -362,8 +370,11 @@ class _ModeSearch:
         n = len(self.order)
         cands = [self.best_k(self.family("full", "keep"), n)]
         if n and all(self.blocks[b].selective_known for b in self.order):
-            cands.append(self.best_k(self.family("selective", "keep"), n))
-            cands.append(self.best_k(self.family("full", "selective"), n))
+            best = self.score(cands[0])
+            for first, rest in (("selective", "keep"), ("full", "selective")):
+                modes = self.family(first, rest)
+                if not self._hopeless(modes(0), modes(n), best):
+                    cands.append(self.best_k(modes, n))
         cands += self.uniform()                 # always: swap only, all selective, all full
         cands += list(self.measured)
         if incumbent is not None and (len(incumbent) != len(self.blocks) or any(
