@@ -13,10 +13,14 @@ def calls(*modes):
 
 def test_a_mix_keeps_its_last_step_times_and_is_read_by_their_median():
     runs = MixRuns()
-    for t in (5.0, 1.0, 2.0, 3.0):
-        mix, seen = runs.add(7, calls("keep", "full"), t)
-    assert mix == ((0, "keep"), (1, "full"))
-    assert seen == [1.0, 2.0, 3.0] and len(seen) == RUNS_KEPT      # the first left
+    mix, seen, n = runs.add(7, calls("keep", "full"), 9.0)
+    assert seen == [9.0] and n == 1                  # its first step stands in, until ...
+    mix, seen, n = runs.add(7, calls("keep", "full"), 5.0)
+    assert seen == [5.0] and n == 2                  # ... the second replaces it
+    for t in (1.0, 2.0, 3.0):
+        mix, seen, n = runs.add(7, calls("keep", "full"), t)
+    assert mix == ((0, "keep"), (1, "full")) and n == 5
+    assert seen == [1.0, 2.0, 3.0] and len(seen) == RUNS_KEPT      # the oldest left
     runs.add(7, calls("full", "full"), 4.0)
     assert runs.measured(7, [0, 1]) == {("keep", "full"): 2.0, ("full", "full"): 4.0}
     assert runs.measured(7, [1, 0]) == {("full", "keep"): 2.0, ("full", "full"): 4.0}

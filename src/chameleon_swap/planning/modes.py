@@ -62,7 +62,8 @@ from .timeline import Plan, Prediction, Profile, Span, simulate, unmoved_peak
 MODES = ("keep", "selective", "full")
 CALIBRATION_CLAMP = (0.5, 2.0)   # measured over predicted step time, believed within
 MIN_CALIBRATION_RUNS = 2         # mixes that ran before their ratio calibrates the others
-SWITCH_GAIN = 0.05               # a size leaves the mix it runs for one this much faster only
+SWITCH_GAIN = 0.10               # a size leaves its mix for one this much faster only (5%,
+                                 # below this CPU's step noise, kept the benchmark switching)
 ROUGH_EVALS = 12          # swap-planner simulations per mix while the search ranks mixes,
 REFINED = 2               # then this many of the best are planned again with QUICK_EVALS
 HOPELESS = 0.10           # a family whose ends are this much slower than the best is skipped

@@ -27,7 +27,6 @@ size.
 """
 from __future__ import annotations
 
-import statistics
 import time
 import warnings
 from dataclasses import dataclass, replace
@@ -268,20 +267,18 @@ class BlockModes:
 
     def _learn_run(self, profile, calls: list) -> None:
         """The step's time against the mix it ran (its blocks' modes as run: a probe, a block
-        run full for host room or kept for its size make another mix). Its first step counts
-        too, though its swap plan is still the guard's or made from estimates (slower than it
-        will run): left out, a mix tried once and left looked untried, and was tried again at
-        every plan (measured: a size flipping between two mixes on each of its visits)."""
+        run full for host room or kept for its size make another mix; ``mix_runs`` says how a
+        mix's first step counts)."""
         plan = self.plan
         if plan is None or plan.key != self.key or not profile.step_seconds:
             return
-        mix, seen = self.runs.add(self.key, calls, profile.step_seconds)
+        mix, seen, n = self.runs.add(self.key, calls, profile.step_seconds)
         planned = tuple(sorted((b, plan.modes.get(b, "keep")) for b, _ in mix))
         pred = self.predicted_seconds()
-        if (len(seen) == 2 and mix == planned and pred
-                and statistics.median(seen) > pred * (1 + MISS)):
-            # The mix the plan chose ran slower than it predicted, on its first two steps: ranked
-            # now by what it ran at, the size is planned again (once per mix).
+        if n == 2 and mix == planned and pred and seen[-1] > pred * (1 + MISS):
+            # The mix the plan chose ran slower than it predicted on its second step (its first
+            # ran on a stand-in swap plan): ranked now by what it ran at, the size is planned
+            # again (once per mix).
             self.stale.add(self.key)
 
     def measured(self, key: int, block_ids: list) -> dict:

@@ -4,6 +4,12 @@ A mode plan is chosen on a model; what the mix then runs at is the truth the mod
 Each step's time is kept against the mix it ran (its blocks' modes as run, so a probe or a block
 run full for host room counts as the mix it made) and its step size; the median of the last
 ``RUNS_KEPT`` ranks the mix when its size is planned again (``planning.modes.plan_hybrid``).
+
+A mix's first step at a size runs on the guard's swap plan or one made from estimates, slower
+than the mix will run: it stands for the mix until its second step replaces it. Left out, a mix
+tried once looked untried and was tried again at every plan; kept, it made a mix that ran well
+afterwards look worse than it was (HF Llama 256x4 at 50%: a first step of 468 ms beside steady
+ones of 347 ms, and the size left the mix).
 """
 from __future__ import annotations
 
@@ -15,15 +21,20 @@ RUNS_KEPT = 3                   # step times kept per mix and size (their median
 class MixRuns:
     def __init__(self) -> None:
         self.runs: dict[int, dict[tuple, list]] = {}    # key -> ((block, mode), ...) -> seconds
+        self.steps: dict[tuple, int] = {}               # (key, mix) -> steps it ran
 
-    def add(self, key: int, calls: list, seconds: float) -> tuple[tuple, list]:
+    def add(self, key: int, calls: list, seconds: float) -> tuple[tuple, list, int]:
         """The step of ``key`` whose blocks' first calls are ``calls`` took ``seconds``: returns
-        its mix (sorted (block, mode) pairs) and that mix's kept step times, newest last."""
+        its mix (sorted (block, mode) pairs), that mix's kept step times (newest last) and how
+        many steps it has run at ``key``."""
         mix = tuple(sorted((c.block, c.mode) for c in calls))
         seen = self.runs.setdefault(key, {}).setdefault(mix, [])
+        n = self.steps[key, mix] = self.steps.get((key, mix), 0) + 1
+        if n == 2:
+            seen.clear()                 # the first step stood in until now (see above)
         seen.append(seconds)
         del seen[:-RUNS_KEPT]
-        return mix, seen
+        return mix, seen, n
 
     def measured(self, key: int, block_ids: list) -> dict:
         """Mixes (modes in ``block_ids`` order) that ran at ``key``, with their median time."""
