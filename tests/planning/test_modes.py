@@ -417,3 +417,22 @@ def test_a_family_whose_ends_are_far_slower_than_the_best_is_not_searched(monkey
     full = plan_hybrid(prof, blocks, budget)
     assert n_pruned < len(calls)
     assert pruned.modes == full.modes
+
+
+def test_a_mix_that_ran_well_above_its_prediction_keeps_no_loyalty():
+    from chameleon_swap.planning.modes import SWITCH_GAIN
+    prof, blocks = keep_view(bw=1e9)             # kkkk 37 ms, kkkf 40, kkff 43, kfff 46
+    budget = unmoved_peak(prof) // 2
+    best = plan_hybrid(prof, blocks, budget)
+    keep = ("keep",) * 4
+    assert best.modes == keep
+    p = best.predicted.total_seconds
+    # It ran a little above its prediction: nothing else is SWITCH_GAIN faster, it stays.
+    a_little = {keep: p * (1 + SWITCH_GAIN / 2)}
+    assert plan_hybrid(prof, blocks, budget, measured=a_little, incumbent=keep).modes == keep
+    # It ran more than SWITCH_GAIN above it: the model that chose it earned no loyalty, and the
+    # next best it predicts (kkkf, 40 ms: within SWITCH_GAIN of what keep ran) is tried.
+    well_above = {keep: p * (1 + 1.5 * SWITCH_GAIN)}
+    got = plan_hybrid(prof, blocks, budget, measured=well_above, incumbent=keep)
+    assert got.modes != keep
+    assert got.predicted.total_seconds > (1 - SWITCH_GAIN) * well_above[keep]   # (no gain rule)

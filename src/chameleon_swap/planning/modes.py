@@ -35,15 +35,12 @@ the result is never predicted slower than any of them (as the search plans their
 fits. When no mix fits, the one with the smallest peak is chosen (the policy then warns), never
 the one that keeps everything.
 
-A model is a model: mixes it ranks close can run far apart (on a 4-block HF Llama at 25% on
-the emulated link, one block kept and three recomputed was predicted within 5% of all four
-recomputed and ran 10-15% slower: its kept block's copies back waited behind the recomputes'
-working sets longer than the timeline foresaw). So a mix that ran at this size is ranked by the
-step time it was measured at (``measured``), and is always a candidate: a mix the model overrates
-is tried at most once more than it deserves, and the search falls back to the best that ran. Two
-or more mixes that ran also calibrate the predictions of those that did not (the least ratio of
-measured over predicted among them), so that a model that reads every mix fast does not make
-every mix that ran look worse than every one that did not.
+A model is a model: mixes it ranks close can run far apart (4-block HF Llama, 25%, emulated link:
+one block kept and three recomputed, predicted within 5% of all four recomputed, ran 10-15%
+slower). So a mix that ran at this size is ranked by the step time it ran at (``measured``) and
+is always a candidate; two or more that ran calibrate those that did not (the least ratio of
+measured over predicted among them). The mix a size runs (``incumbent``) stays unless another is
+``SWITCH_GAIN`` faster, or it ran that much above its own prediction.
 
 Host memory is bounded too (``host_limit``: the room of the host arena, ``host_memory_limit``):
 every byte a plan copies out holds a host buffer until backward releases its tensor, so a mix
@@ -394,6 +391,9 @@ class _ModeSearch:
         best = min(cands[:REFINED], key=lambda m: (self.score(m), m))
         if incumbent is None or incumbent == best:
             return best
+        ran = self.measured.get(incumbent)
+        if ran is not None and ran > (1 + SWITCH_GAIN) * self._plan(incumbent).predicted.total_seconds:
+            return best       # it ran well above its prediction: the model earned no loyalty
         now, new = self.score(incumbent), self.score(best)
         if now[:3] == new[:3] and new[3] > (1 - SWITCH_GAIN) * now[3]:
             return incumbent             # fits as well, and not clearly slower: it stays
