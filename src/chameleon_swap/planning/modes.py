@@ -18,9 +18,9 @@ into the timeline of a mix of modes:
   began and needed where its backward begins; its forward slots take its recompute's time where
   it was measured below its kept forward (``kept_seconds``: a kept block's saves go through the
   engine's hooks, a recomputed one's through checkpoint's); the slot where its backward begins
-  gains the block's forward time (the recompute) and, from then until the block's backward ends, the block's saved bytes beyond its
-  inputs are held (``reserve``): the recompute re-creates them, and saves its inputs (which its
-  first operations save when kept) again in place.
+  gains the block's forward time (the recompute) and, from then until the block's backward ends,
+  the block's saved bytes beyond its inputs are held (``reserve``): the recompute re-creates
+  them, and saves its inputs (which its first operations save when kept) again in place.
 * selective: the same, except that the recompute costs the measured selective time and the bytes
   selective checkpointing keeps (matmul and attention outputs) are held from the block's first
   save until its backward begins, where they become part of the held working set.
@@ -383,8 +383,7 @@ class _ModeSearch:
         if incumbent is not None:
             cands.append(incumbent)
             self.refine(incumbent)
-        # Rough swap plans ranked the mixes; the best few are planned again with more care.
-        # (A rough plan reads a mix slower than it is, never faster: refining only lowers.)
+        # Rough plans ranked the mixes; the best few get careful ones (the better plan is kept).
         cands = sorted(set(cands), key=lambda m: (self.score(m), m))
         for m in cands[:REFINED]:
             self.refine(m)
@@ -392,7 +391,8 @@ class _ModeSearch:
         if incumbent is None or incumbent == best:
             return best
         ran = self.measured.get(incumbent)
-        if ran is not None and ran > (1 + SWITCH_GAIN) * self._plan(incumbent).predicted.total_seconds:
+        if ran is not None and ran > (1 + SWITCH_GAIN) * self._plan(
+                incumbent).predicted.total_seconds:
             return best       # it ran well above its prediction: the model earned no loyalty
         now, new = self.score(incumbent), self.score(best)
         if now[:3] == new[:3] and new[3] > (1 - SWITCH_GAIN) * now[3]:
