@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import statistics
+import textwrap
 import time
 from typing import Callable, Optional
 
@@ -227,9 +228,14 @@ def plot_choice(choice: dict, path) -> Optional[object]:
     colors = ["#888888", "#c66", "#47a", "#2a6"]
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(13, 3.6),
                                      gridspec_kw={"width_ratios": [1, 1, 1.4]})
-    a1.bar(range(4), [choice["legs"][k]["ratio_vs_none"] for k in legs], color=colors)
+    a1.bar([i - 0.2 for i in range(4)], [choice["legs"][k]["ratio_vs_none"] for k in legs],
+           width=0.4, color=colors, label="all steps")
+    a1.bar([i + 0.2 for i in range(4)],
+           [choice["legs"][k].get("steady_ratio_vs_none", float("nan")) for k in legs],
+           width=0.4, color=colors, alpha=0.45, hatch="//", label="last half")
     a1.axhline(1.0, color="k", lw=0.8)
     a1.set_ylabel("step time / none")
+    a1.legend(fontsize=7)
     a2.bar(range(4), [choice["legs"][k]["peak_saved_bytes"] / 2**20 for k in legs], color=colors)
     a2.axhline(choice["budget_bytes"] / 2**20, color="#d62728", ls="--", label="budget")
     a2.set_ylabel("saved-activation peak (MiB)")
@@ -247,7 +253,7 @@ def plot_choice(choice: dict, path) -> Optional[object]:
     a3.set_xlabel("step")
     a3.set_ylabel("blocks (chameleon model=)")
     a3.legend(fontsize=7)
-    fig.suptitle(choice["verdict"], fontsize=10)
+    fig.suptitle(textwrap.fill(choice["verdict"], 150), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
