@@ -205,10 +205,7 @@ def check_step(policy, profile, applied, mode_plan, predicted) -> None:
             # it is made again from this one too, or it would keep missing, and every second
             # step would plan the modes again (measured: a 4-block Llama re-planned its modes
             # on steps 4, 6 and 12, each time for a swap plan that read 324 ms of a 270 ms step).
-            entry = policy._make(profile)
-            entry.replanned = True
-            entry.detailed = entry.detailed or applied.detailed
-            policy.cache.put(entry)
+            _remake_swap_plan(policy, profile, applied)
     elif profile.signature == applied.signature and profile.n_forward > 0:
         fit = None
         if not any(nbytes for nbytes, _ in link.values()):
@@ -217,10 +214,16 @@ def check_step(policy, profile, applied, mode_plan, predicted) -> None:
             tl = profile.to_timeline(*policy.link())
             fit = stall_fn(tl, make_plan(tl, policy.ex.budget), policy.ex.budget, 1.0)
         policy.checks.correct_link(policy.link(), link, fit, stall)
-        entry = policy._make(profile)
-        entry.replanned = True
-        # A lightweight step's compute is the plan's own shape scaled to the measured step:
-        # as good as the timed profile it corrects, so no timed step is asked for again.
-        entry.detailed = entry.detailed or applied.detailed
-        policy.cache.put(entry)
+        _remake_swap_plan(policy, profile, applied)
     policy.planner_seconds += time.perf_counter() - t0
+
+
+def _remake_swap_plan(policy, profile, applied) -> None:
+    """The swap plan of ``profile``'s sequence made again from this step, as replanned."""
+    entry = policy._make(profile)
+    entry.replanned = True
+    # A lightweight step's compute is a timed step's shares of the same sequence scaled to the
+    # measured step (profiler): as good as the timed profile it corrects, so no timed step is
+    # asked for again.
+    entry.detailed = entry.detailed or applied.detailed
+    policy.cache.put(entry)
