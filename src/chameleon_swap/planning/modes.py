@@ -64,9 +64,8 @@ SWITCH_GAIN = 0.10               # a size leaves its mix for one this much faste
 ROUGH_EVALS = 12          # swap-planner simulations per mix while the search ranks mixes,
 REFINED = 2               # then this many of the best are planned again with QUICK_EVALS
 HOPELESS = 0.10           # a family whose ends are this much slower than the best is skipped
-QUICK_EVALS = 48          # swap-planner simulations per candidate mix while searching (24 were
-                          # tried: half the time, but a 4-block Llama's full mix found no swap
-                          # set that fits, and the search kept everything)
+QUICK_EVALS = 48          # a careful plan's simulations (at 24 a 4-block Llama's full mix
+                          # found no swap set that fits, and the search kept everything)
 
 
 @dataclass(frozen=True)
@@ -274,16 +273,20 @@ class _ModeSearch:
         self.pr, self.blocks, self.budget = profile, list(blocks), budget
         self.host_limit = host_limit
         self.measured = {tuple(m): t for m, t in (measured or {}).items()
-                         if len(m) == len(blocks) and t > 0 and all(
-                             mode == "keep" or (blk.eligible and (
-                                 mode == "full" or blk.selective_known))
-                             for mode, blk in zip(m, blocks))}
+                         if t > 0 and self.can_run(m)}
         self.calibration = 1.0   # measured over predicted, of the mixes that ran (see run)
         self.refined: set = set()
         self.order = conversion_order(profile, blocks)
         self.views: dict[tuple, Profile] = {}
         self.plans: dict[tuple, Plan] = {}
         self.scale = max(float(sum(profile.compute)), 1e-12)
+
+    def can_run(self, modes) -> bool:
+        """A mix of these blocks that can run now (recomputed only where eligible, selective
+        only where measured)."""
+        return len(modes) == len(self.blocks) and all(m == "keep" or (blk.eligible and (
+            m == "full" or (m == "selective" and blk.selective_known)))
+            for m, blk in zip(modes, self.blocks))
 
     def view(self, modes: tuple) -> Profile:
         v = self.views.get(modes)
@@ -375,10 +378,7 @@ class _ModeSearch:
                     cands.append(self.best_k(modes, n))
         cands += self.uniform()                 # always: swap only, all selective, all full
         cands += list(self.measured)
-        if incumbent is not None and (len(incumbent) != len(self.blocks) or any(
-                m not in MODES or (m != "keep" and not blk.eligible)
-                or (m == "selective" and not blk.selective_known)
-                for m, blk in zip(incumbent, self.blocks))):
+        if incumbent is not None and not self.can_run(incumbent):
             incumbent = None                    # it cannot run now: no candidate
         if incumbent is not None:
             cands.append(incumbent)
