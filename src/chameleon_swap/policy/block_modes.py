@@ -38,12 +38,12 @@ from ..planning.modes import Block, HybridPlan, plan_hybrid, working_set
 from ..planning.signatures import step_size
 from ..planning.timeline import Profile
 from . import keep_views
+from .checks import MISS     # a mix that ran this much slower than its plan said: plan again
 from .keep_views import KeepView, scaled
 from .mix_runs import MixRuns
 
 REPLAN_BUDGET_CHANGE = 0.05     # a budget that moved by more than this re-plans the key
 REPLAN_MOVE_CHANGE = 0.3       # so does a cost of a move that changed by more than this
-MISS = 0.10                     # a mix that ran this much slower than its plan said: plan again
 PLANNING_SHARE = 0.25           # planning again takes at most this share of the steps' time
 
 

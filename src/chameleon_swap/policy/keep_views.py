@@ -22,8 +22,8 @@ from typing import Optional
 
 from ..planning.modes import Block, working_set
 from ..planning.timeline import Profile, Span
+from .checks import MISS     # a view off a timed step by more than this is corrected
 
-MISS = 0.10                         # a view off a timed step by more than this is corrected
 CORRECTION_CLAMP = (0.5, 2.0)       # a correction beyond these is not believed
 FULL_RATIO_CLAMP = (0.25, 2.0)      # a full recompute against its kept forward, believed within
 
