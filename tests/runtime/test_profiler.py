@@ -218,6 +218,38 @@ def test_a_lightweight_step_of_a_timed_sequence_gets_its_timed_shares_of_compute
     assert other.compute == pytest.approx([6.0 * b / sum(by_bytes) for b in by_bytes])
 
 
+def test_a_lightweight_step_takes_the_timed_shares_on_the_emulated_link():
+    # The twin of the test above on the real clock: the timed step's shares are what this CPU
+    # measured, with copies at a GPU's ratio of bytes to compute; a later light step of the
+    # same sequence takes them, scaled to its own compute, and not shares by bytes.
+    m = llama()
+    b = batch(2, 32)
+    with cs.Chameleon(None, device="cpu", min_tensor_bytes=0) as probe:
+        run(probe, m, b)
+        peak = probe.last_step.peak_resident_bytes
+    timed = light = None
+    with cs.Chameleon(peak // 3, device="cpu", min_tensor_bytes=0,
+                      emulate_link="50MB/s") as eng:
+        for _ in range(8):
+            run(eng, m, b)
+            p = eng._profiler.last_profile
+            if p.detailed:
+                timed = p
+            elif timed is not None and p.signature == timed.signature:
+                light = p
+                break
+    assert light is not None, "no light step of a timed sequence in 8 steps"
+    shares = [c / sum(timed.compute) for c in timed.compute]
+    assert light.compute == pytest.approx([sum(light.compute) * w for w in shares], rel=1e-9)
+    n = light.n_forward                              # shares by bytes, as a never-timed step
+    weights = [float(x) for x in light.nbytes] + [0.0] * (light.n_slots - n)
+    for i, u in enumerate(light.use_slot):
+        if u < light.n_slots:
+            weights[u] = 2.0 * light.nbytes[i]         # (the slot its first use starts)
+    by_bytes = [sum(light.compute) * w / sum(weights) for w in weights]
+    assert light.compute != pytest.approx(by_bytes, rel=0.05)
+
+
 def test_moves_are_kept_apart_from_compute_on_the_host_clock_not_on_the_device_one():
     from chameleon_swap.runtime.profiler import Profiler
     prof = Profiler(torch.device("cpu"))
