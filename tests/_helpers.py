@@ -75,3 +75,26 @@ def compare(model: torch.nn.Module, batches, budget_fraction, *, loss_fn=None, d
             if between is not None:
                 between(eng)
         return list(eng.history), peaks, budget
+
+
+def steady_planning(monkeypatch, tick: float = 50e-6) -> None:
+    """Every profiler and runner timestamp ``tick`` after the previous one, and nothing the mode
+    and swap plans learn from the wall clock: the plans then depend on the bytes and the link
+    alone. Each input switched off here has tests of its own on the real clock (the emulated
+    link); a steady mock of the profiler's clock cannot make the steps' wall time steady."""
+    from chameleon_swap.policy import block_modes, checks, keep_views
+    from chameleon_swap.runtime import profiler
+    ticks = iter(range(10**9))
+    monkeypatch.setattr(profiler._CpuClock, "mark", lambda self: next(ticks) * tick)
+    # The closed loop (policy/checks.py) compares plans with the step's wall time: it would
+    # "correct" the mocked compute back to the machine's.
+    monkeypatch.setattr(checks, "MISSES_TO_REPLAN", 10**9)
+    # Mixes that ran are ranked by their steps' wall time, nor does a mix that ran slower than
+    # predicted try its plan's fallback.
+    monkeypatch.setattr(block_modes.BlockModes, "measured", lambda self, key, ids: {})
+    monkeypatch.setattr(block_modes.BlockModes, "_try_fallback", lambda self, plan, ran: False)
+    # Keep views are not corrected by timed steps: ticks count marks, and a mix that saves less
+    # takes fewer.
+    monkeypatch.setattr(keep_views, "corrected", lambda *a, **k: None)
+    # Nor is planning again rationed by the wall time the steps ran (may_replan).
+    monkeypatch.setattr(block_modes, "PLANNING_SHARE", float("inf"))

@@ -6,8 +6,8 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from chameleon_swap.planning.modes import (Block, apply_modes, best_count, conversion_order,
-                                   full_recompute_modes, plan_hybrid, working_set)
+from chameleon_swap.planning.modes import (Block, apply_modes, conversion_order,
+                                           full_recompute_modes, plan_hybrid, working_set)
 from chameleon_swap.planning.timeline import Plan, Profile, Span, simulate, unmoved_peak
 
 MB = 2**20
@@ -132,19 +132,6 @@ def test_never_slower_than_full_recompute_or_swap_alone(n_blocks, per_block, bw,
     swap_only = simulate(prof, Plan(frozenset()), budget)     # the guard's forced copies
     if got.budget_ok and swap_only.budget_ok:
         assert got.total_seconds <= swap_only.total_seconds * (1 + 1e-9)
-
-
-@pytest.mark.parametrize("n, target", [(0, 0), (1, 1), (37, 0), (37, 23), (37, 37), (1000, 611)])
-def test_best_count_finds_the_least_of_a_v(n, target):
-    calls = []
-
-    def score(k):
-        calls.append(k)
-        return (abs(k - target),)
-    assert best_count(score, n) == target
-    assert len(calls) == len(set(calls))            # each k scored once
-    # A flat score: the smallest k.
-    assert best_count(lambda k: (0,), n) == 0
 
 
 # ----------------------------------------------------- the search follows its own prediction
@@ -436,3 +423,44 @@ def test_a_mix_that_ran_well_above_its_prediction_keeps_no_loyalty():
     got = plan_hybrid(prof, blocks, budget, measured=well_above, incumbent=keep)
     assert got.modes != keep
     assert got.predicted.total_seconds > (1 - SWITCH_GAIN) * well_above[keep]   # (no gain rule)
+
+
+# ----------------------------------------------------- the fallback of a winner that copies
+def test_a_winner_that_copies_carries_the_best_mix_that_moves_nothing():
+    fast, blocks = keep_view(bw=1e13)           # swapping hides: the model keeps every block
+    budget = unmoved_peak(fast) // 2
+    hp = plan_hybrid(fast, blocks, budget)
+    assert hp.modes == ("keep",) * 4 and hp.predicted.moved_bytes > 0
+    fb = hp.fallback
+    assert fb is not None and fb.modes != hp.modes
+    assert fb.predicted.moved_bytes == 0 and fb.predicted.budget_ok
+    assert fb.fallback is None
+    # Its figures are those of its own mix: the timeline, the working sets of what it recomputes.
+    assert fb.profile == apply_modes(fast, blocks, fb.modes)
+    assert all((w > 0) == (m != "keep") for w, m in zip(fb.working_set, fb.modes))
+    # A mix that ran already is ranked by its time, not tried again as a fallback.
+    again = plan_hybrid(fast, blocks, budget, measured={fb.modes: 10.0})
+    assert again.fallback is None or again.fallback.modes != fb.modes
+
+
+def test_a_winner_that_moves_nothing_has_no_fallback():
+    slow, blocks = keep_view(bw=1e6)            # nothing can move in time: all recompute
+    budget = unmoved_peak(slow) // 2
+    hp = plan_hybrid(slow, blocks, budget)
+    assert hp.predicted.moved_bytes == 0 and hp.fallback is None
+    # Nor does a step that fits: nothing is planned.
+    assert plan_hybrid(slow, blocks, unmoved_peak(slow)).fallback is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(n_blocks=st.integers(1, 6), per_block=st.integers(1, 4),
+       bw=st.sampled_from([1e7, 1e8, 1e9, 1e10, 1e12]),
+       frac=st.floats(0.1, 0.95), inp=st.integers(0, MB))
+def test_a_fallback_moves_nothing_fits_and_is_another_mix(n_blocks, per_block, bw, frac, inp):
+    prof, blocks = keep_view(n_blocks, per_block, bw=bw, input_bytes=inp)
+    hp = plan_hybrid(prof, blocks, int(unmoved_peak(prof) * frac))
+    fb = hp.fallback
+    if fb is not None:
+        assert hp.predicted.moved_bytes > 0
+        assert fb.modes != hp.modes and fb.predicted.moved_bytes == 0
+        assert fb.predicted.budget_ok and not fb.predicted.forced_offloads

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 import chameleon_swap as cs
 
-from _helpers import assert_bitwise, compare, grads, natural_peak, train_step
+from _helpers import (assert_bitwise, compare, grads, natural_peak, steady_planning,
+                      train_step)
 from _models import SPEC_BLOCKS, lm_batches, randn, random_model, tiny_llama, tiny_moe
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")   # see conftest.py
@@ -61,28 +62,14 @@ def steady_clock(monkeypatch):
     """Every timestamp the profiler and the runner take is 50 us after the previous one, so the
     plan's compute times do not depend on how busy this machine is: the decision below then
     depends only on the bytes and the link, which is what it tests."""
-    from chameleon_swap.policy import checks
-    from chameleon_swap.runtime import profiler
-    ticks = iter(range(10**9))
-    monkeypatch.setattr(profiler._CpuClock, "mark", lambda self: next(ticks) * 50e-6)
-    # The closed loop (policy/checks.py) compares plans with the step's wall time, which no mock
-    # of the profiler's clock makes steady: it would "correct" the mocked compute back to the
-    # machine's. Here it is off; its own tests, and this decision's twin on the emulated link
-    # (test_the_decision_on_the_real_clock), run on the real clock.
-    monkeypatch.setattr(checks, "MISSES_TO_REPLAN", 10**9)
+    # The steps' wall time is off too (checks, mixes' times, fallbacks, view corrections, the
+    # planning ration): this decision's twin on the emulated link is
+    # test_the_decision_on_the_real_clock.
+    steady_planning(monkeypatch)
     # A move's host time would read as ticks of this clock (three per move, 150 us: about what
     # one costs on this CPU, many times a GPU's); the decision here is about the link alone.
+    from chameleon_swap.policy import checks
     monkeypatch.setattr(checks.PlanChecks, "move_seconds", lambda self: 0.0)
-    # Mixes that ran are ranked by their steps' wall time (real), which no mock makes steady
-    # either: off here; test_mixes_are_ranked_by_what_they_ran_at_on_the_emulated_link is theirs.
-    from chameleon_swap.policy import block_modes
-    monkeypatch.setattr(block_modes.BlockModes, "measured", lambda self, key, ids: {})
-    # Nor are keep views corrected by timed steps: ticks count marks, and a mix that saves less
-    # takes fewer (keep_views.corrected is tested on its own, and on the real clock).
-    from chameleon_swap.policy import keep_views
-    monkeypatch.setattr(keep_views, "corrected", lambda *a, **k: None)
-    # Nor is planning again rationed by the wall time the steps ran (may_replan).
-    monkeypatch.setattr(block_modes, "PLANNING_SHARE", float("inf"))
 
 
 @pytest.mark.parametrize("link,recomputes", [("1GB/s", True), ("1TB/s", False)])
@@ -289,6 +276,104 @@ def test_mixes_are_ranked_by_what_they_ran_at_on_the_emulated_link():
     last = [s.block_modes[2] for s in history[-3:]]
     most = max(s.block_modes[2] for s in history)
     assert max(last) < most, [s.block_modes for s in history]
+
+
+# --------------------------------------------------------------------------- the fallback
+def _scripted_modes():
+    """A BlockModes with one size (key 5) planned on a fast link: every block kept, its copies
+    hidden, so the plan carries a fallback that moves nothing; and a step function that runs it
+    at a given time."""
+    from types import SimpleNamespace
+
+    from chameleon_swap.planning.modes import plan_hybrid
+    from chameleon_swap.planning.timeline import Profile, Span, unmoved_peak
+    from chameleon_swap.planning.modes import Block
+    from chameleon_swap.policy.block_modes import BlockModes, ModePlan
+    n = 8
+    prof = Profile([1e-3] * n + [1e-3] + [2e-3] * n, n,
+                   [Span(2**20, i, n + 1 + (n - 1 - i)) for i in range(n)], 1e13, 1e13)
+    blocks = [Block(2 * b, 2 * b + 2, 2e-3, 2**18) for b in range(4)]
+    budget = unmoved_peak(prof) // 2
+    hp = plan_hybrid(prof, blocks, budget)
+    assert hp.predicted.moved_bytes > 0 and hp.fallback is not None
+    modes = BlockModes(lambda: (1e13, 1e13))
+    modes.plans[5] = ModePlan(dict(enumerate(hp.modes)), dict(enumerate(hp.working_set)),
+                              1000, budget, True, hp, key=5)
+    pred = hp.predicted.total_seconds
+
+    def step(seconds: float) -> tuple:
+        modes.begin_step(budget)
+        modes.key, modes.input_bytes, modes.plan = 5, 1000, modes.plans[5]
+        ran = modes.plan
+        calls = [SimpleNamespace(block=b, mode=m) for b, m in ran.modes.items()]
+        modes._learn_run(SimpleNamespace(step_seconds=seconds), calls)
+        return tuple(ran.modes.values())
+    return modes, step, pred, hp
+
+
+def test_a_mix_slower_than_predicted_tries_its_fallback_and_the_faster_stays():
+    modes, step, pred, hp = _scripted_modes()
+    assert step(3 * pred) == hp.modes           # its first step stands in: no verdict yet
+    assert step(2 * pred) == hp.modes           # its second runs 2x its prediction: a miss
+    tried = modes.plans[5]
+    assert tuple(tried.modes.values()) == hp.fallback.modes and tried.replanned
+    assert tried.hybrid is hp.fallback
+    assert step(5 * pred) == hp.fallback.modes  # the fallback's first step: no verdict yet
+    assert step(1.5 * pred) == hp.fallback.modes  # faster than the 2x the copying mix ran at
+    assert modes.plans[5] is tried and 5 not in modes.stale
+    for _ in range(3):                          # ... and it stays: no second trial, no replan
+        assert step(1.5 * pred) == hp.fallback.modes
+    assert modes.plans[5] is tried
+
+
+def test_a_fallback_that_runs_no_faster_gives_the_size_its_plan_back_once():
+    modes, step, pred, hp = _scripted_modes()
+    original = modes.plans[5]
+    step(3 * pred)
+    step(2 * pred)                              # a miss: the fallback runs next
+    step(5 * pred)
+    assert step(2.5 * pred) == hp.fallback.modes  # slower than the copying mix ran
+    assert modes.plans[5] is original           # back to the plan that missed ...
+    for _ in range(3):                          # ... and it stays (once per size)
+        assert step(2 * pred) == hp.modes
+    assert modes.plans[5] is original
+
+
+def test_a_mix_that_copies_and_runs_slow_on_the_emulated_link_gives_way_to_its_fallback(
+        monkeypatch):
+    # The real clock: the planner is told the link is 5000x faster than the emulated one the
+    # copies really take (its model of the link is wrong, as on an H100 whose profile counted
+    # stalls as compute), so it keeps every block and swaps. The steps wait for the copies far
+    # beyond the prediction; the plan's fallback, which moves nothing, runs next and stays.
+    # The loop's other learners, which would leave the mix first by ways of their own, are off
+    # (the checks, keep views corrected by timed steps, the selective probe, the host time of a
+    # move: tested apart); the step times the decision reads are the wall clock's.
+    from chameleon_swap.policy import checks, keep_views
+    monkeypatch.setattr(cs.Chameleon, "_bandwidth", lambda self: (1e12, 1e12))
+    monkeypatch.setattr(checks, "MISSES_TO_REPLAN", 10**9)
+    monkeypatch.setattr(keep_views, "corrected", lambda *a, **k: None)
+    monkeypatch.setattr(checks.PlanChecks, "move_seconds", lambda self: 0.0)   # copies: free
+    torch.manual_seed(0)
+    model = CheapNet()
+    batches = [(randn(4, 2048, 64, seed=0),)] * 8
+    trials = []
+
+    def between(eng):
+        m = eng._policy.modes
+        m._probe, m._probed = None, True
+        trials.append(dict(m.trials))
+    history, _, budget = compare(model, batches, 0.4, model_kwarg=True, emulate_link="200MB/s",
+                                 min_tensor_bytes=2**16, between=between)
+    runs = [(s.block_modes, s.plan_source, s.offloaded_bytes) for s in history]
+    at = next((i for i, t in enumerate(trials) if t), None)   # the step it was tried after
+    assert at is not None, runs
+    (missed, ran, tried), = trials[at].values()
+    assert missed.hybrid.predicted.moved_bytes > 0 and history[at].offloaded_bytes > 0, runs
+    assert history[at].step_seconds > (1 + checks.MISS) * history[at].predicted_step_seconds
+    assert history[at + 1].plan_source == "replanned", runs
+    assert not tried.hybrid.predicted.moved_bytes
+    for s in history[at + 1:]:                  # the fallback ran, and stayed: no copies
+        assert s.block_modes[0] < 4 and s.offloaded_bytes == 0, runs
 
 
 # --------------------------------------------------------------------------- planning time

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import chameleon_swap as cs
-from _helpers import assert_bitwise, grads
+from _helpers import assert_bitwise, grads, steady_planning
 from _models import TModel, randn
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -50,19 +50,7 @@ def case():
 def steady_clock(monkeypatch):
     """Every profiler and runner timestamp 50 us after the previous one, and no correction from
     the wall clock: the plans then depend on the bytes alone (as in test_block_modes.py)."""
-    from chameleon_swap.policy import checks
-    from chameleon_swap.runtime import profiler
-    ticks = iter(range(10**9))
-    monkeypatch.setattr(profiler._CpuClock, "mark", lambda self: next(ticks) * 50e-6)
-    monkeypatch.setattr(checks, "MISSES_TO_REPLAN", 10**9)
-    from chameleon_swap.policy import block_modes        # nor from mixes' wall-clock times
-    monkeypatch.setattr(block_modes.BlockModes, "measured", lambda self, key, ids: {})
-    # Nor are keep views corrected by timed steps: ticks count marks, and a mix that saves less
-    # takes fewer (keep_views.corrected is tested on its own, and on the real clock).
-    from chameleon_swap.policy import keep_views
-    monkeypatch.setattr(keep_views, "corrected", lambda *a, **k: None)
-    # Nor is planning again rationed by the wall time the steps ran (may_replan).
-    monkeypatch.setattr(block_modes, "PLANNING_SHARE", float("inf"))
+    steady_planning(monkeypatch)
 
 
 @pytest.fixture(params=["steady", "emulated link"])

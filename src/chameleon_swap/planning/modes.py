@@ -40,7 +40,11 @@ one block kept and three recomputed, predicted within 5% of all four recomputed,
 slower). So a mix that ran at this size is ranked by the step time it ran at (``measured``) and
 is always a candidate; two or more that ran calibrate those that did not (the least ratio of
 measured over predicted among them). The mix a size runs (``incumbent``) stays unless another is
-``SWITCH_GAIN`` faster, or it ran that much above its own prediction.
+``SWITCH_GAIN`` faster, or it ran that much above its own prediction. A winner that copies leans
+on the model of the link, its part most often wrong (an 8-block HF Llama on the emulated link:
+keep 5, recompute 3, predicted 53 ms, ran 62; all full predicted 60, ran 54): the best mix scored
+that moves nothing, fits and never ran comes with it (``HybridPlan.fallback``) for the policy to
+try where the winner runs slow.
 
 Host memory is bounded too (``host_limit``: the room of the host arena, ``host_memory_limit``):
 every byte a plan copies out holds a host buffer until backward releases its tensor, so a mix
@@ -51,8 +55,9 @@ mix keeps its copies within host room, the one that moves least is chosen (the p
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
+from .ladder import best_count
 from .swaps import plan as plan_swaps
 from .timeline import Plan, Prediction, Profile, Span, simulate, unmoved_peak
 
@@ -97,6 +102,7 @@ class HybridPlan:
     profile: Profile                   # the step's timeline under these modes
     swap: Plan                         # the swap plan over ``profile`` (predicted filled in)
     working_set: tuple[int, ...]       # per block: bytes held while its recompute + backward run
+    fallback: Optional["HybridPlan"] = None   # see plan_hybrid
 
     @property
     def predicted(self) -> Prediction:
@@ -211,7 +217,8 @@ def plan_hybrid(profile: Profile, blocks: Sequence[Block], budget: Optional[int]
     ranked by what it ran, not by what the model predicts of it, and is always a candidate.
     ``incumbent``: the mix the size runs now; it stays unless another is ``SWITCH_GAIN``
     faster (a new mix costs steps of its own: its first swap plans are the guard's and made
-    from estimates)."""
+    from estimates). A winner that copies carries a ``fallback`` where the search scored a mix
+    that moves nothing and fits (see the module docstring)."""
     keep = tuple("keep" for _ in blocks)
     if budget is None or unmoved_peak(profile) <= budget:
         return _made(profile, blocks, keep, Plan(frozenset(), {}, budget,
@@ -228,7 +235,14 @@ def plan_hybrid(profile: Profile, blocks: Sequence[Block], budget: Optional[int]
     final = plan_swaps(search.view(best), budget, max_evals=max_evals)
     quick = search.plans[best]
     swap = final if search.key(final.predicted, best) <= search.key(quick.predicted, best) else quick
-    return _made(search.view(best), blocks, best, swap, profile)
+    made = _made(search.view(best), blocks, best, swap, profile)
+    quiet = [m for m, p in search.plans.items() if m != best and m not in search.measured
+             and not p.predicted.moved_bytes and search.key(p.predicted, m)[:3] == (0, False, 0)]
+    if swap.predicted.moved_bytes and quiet:
+        fb = min(quiet, key=lambda m: (search.score(m), m))
+        fallback = _made(search.view(fb), blocks, fb, search.plans[fb], profile)
+        made = replace(made, fallback=fallback)
+    return made
 
 
 def _made(view: Profile, blocks, modes, swap: Plan, keep_view: Optional[Profile] = None):
@@ -236,30 +250,6 @@ def _made(view: Profile, blocks, modes, swap: Plan, keep_view: Optional[Profile]
     ws = tuple(working_set(base, blk) if m != "keep" and blk.eligible else 0
                for blk, m in zip(blocks, modes))
     return HybridPlan(modes=tuple(modes), profile=view, swap=swap, working_set=ws)
-
-
-def best_count(score: Callable[[int], tuple], n: int) -> int:
-    """The ``k`` in ``[0, n]`` with the least ``score(k)`` (ties: the smaller ``k``), for a score
-    roughly unimodal in ``k``: a geometric ladder 0, 1, 2, 4, ..., n, then a ternary search
-    between the rungs around the best. Each ``k`` is scored at most once."""
-    tried: dict[int, tuple] = {}
-
-    def at(k: int) -> tuple:
-        if k not in tried:
-            tried[k] = score(k)
-        return tried[k]
-    ladder = sorted({0, n} | {min(n, 2 ** i) for i in range(n.bit_length() + 1)})
-    best = min(ladder, key=lambda k: (at(k), k))
-    i = ladder.index(best)
-    lo = ladder[i - 1] if i > 0 else best
-    hi = ladder[i + 1] if i + 1 < len(ladder) else best
-    while hi - lo > 2:
-        m1, m2 = lo + (hi - lo) // 3, hi - (hi - lo) // 3
-        if at(m1) <= at(m2):
-            hi = m2
-        else:
-            lo = m1
-    return min((*range(lo, hi + 1), best), key=lambda k: (at(k), k))
 
 
 class _ModeSearch:

@@ -27,12 +27,12 @@ size.
 """
 from __future__ import annotations
 
+import statistics
 import time
 import warnings
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
-from ..config import format_bytes
 from ..copy.host_pool import ALIGN
 from ..planning.modes import Block, HybridPlan, plan_hybrid, working_set
 from ..planning.signatures import step_size
@@ -40,7 +40,7 @@ from ..planning.timeline import Profile
 from . import keep_views
 from .checks import MISS     # a mix that ran this much slower than its plan said: plan again
 from .keep_views import KeepView, scaled
-from .mix_runs import MixRuns
+from .mix_runs import MixRuns, no_host_room, no_mix_fits
 
 REPLAN_BUDGET_CHANGE = 0.05     # a budget that moved by more than this re-plans the key
 REPLAN_MOVE_CHANGE = 0.3       # so does a cost of a move that changed by more than this
@@ -85,6 +85,8 @@ class BlockModes:
         self.planning_seconds = 0.0                     # spent making mode plans
         self.trained_seconds = 0.0                      # steps with a budget ran (see may_replan)
         self.put_off: set = set()                       # keys whose replan waits for its share
+        self.trials: dict = {}                          # key -> (plan that missed, its time,
+                                                        #   its fallback's plan)
         self.begin_step(None)
 
     # ------------------------------------------------------------------ during the step
@@ -274,12 +276,32 @@ class BlockModes:
             return
         mix, seen, n = self.runs.add(self.key, calls, profile.step_seconds)
         planned = tuple(sorted((b, plan.modes.get(b, "keep")) for b, _ in mix))
-        pred = self.predicted_seconds()
-        if n == 2 and mix == planned and pred and seen[-1] > pred * (1 + MISS):
-            # The mix the plan chose ran slower than it predicted on its second step (its first
-            # ran on a stand-in swap plan): ranked now by what it ran at, the size is planned
-            # again (once per mix).
-            self.stale.add(self.key)
+        if n < 2 or mix != planned:  # (a mix's first step ran on a stand-in swap plan)
+            return
+        trial = self.trials.get(self.key)
+        if trial is not None and trial[2] is plan:
+            if n == 2 and seen[-1] >= trial[1]:
+                self.plans[self.key] = trial[0]     # the fallback ran no faster: back
+            return
+        pred = self.predicted_seconds() or float("inf")
+        ran = statistics.median(seen)
+        if not (ran > pred * (1 + MISS) and self._try_fallback(plan, ran)) and n == 2 \
+                and seen[-1] > pred * (1 + MISS):
+            self.stale.add(self.key)      # ranked now by what it ran at: planned again, once
+
+    def _try_fallback(self, plan: ModePlan, ran: float) -> bool:
+        """``plan``'s mix ran slower (``ran``: median) than predicted: its fallback (the best mix
+        that moves nothing, ``plan_hybrid``) runs next, once per size, no planning spent; after
+        its second step the faster stays (``_learn_run``). False where there is none."""
+        fb = plan.hybrid.fallback
+        if fb is None or self.key in self.trials:
+            return False
+        ids = list(plan.modes)
+        self.plans[self.key] = tried = replace(
+            plan, modes=dict(zip(ids, fb.modes)), hybrid=fb,
+            working_set=dict(zip(ids, fb.working_set)), replanned=True)
+        self.trials[self.key] = (plan, ran, tried)
+        return True
 
     def measured(self, key: int, block_ids: list) -> dict:
         return self.runs.measured(key, block_ids)
@@ -350,25 +372,10 @@ class BlockModes:
         fits = pred.peak_bytes <= self.budget and not pred.forced_offloads
         if not fits and self.budget not in self.warned_budgets:
             self.warned_budgets.add(self.budget)
-            k, sel, full = hp.counts()
-            warnings.warn(
-                f"chameleon-swap: no mix of kept, swapped and recomputed blocks fits the budget "
-                f"of {format_bytes(self.budget)} for this step size without copies forced in "
-                f"line; the smallest mix found (keep {k}, selective {sel}, full {full}, with "
-                f"swapping) peaks at {format_bytes(pred.peak_bytes)}"
-                f" and forces {pred.forced_offloads} copies. It runs that mix, and the guard "
-                f"holds the budget by waiting for copies; raise the budget above that peak for "
-                f"full speed", RuntimeWarning, stacklevel=2)
+            warnings.warn(no_mix_fits(self.budget, hp), RuntimeWarning, stacklevel=2)
         if host is not None and pred.moved_bytes > host and not self.warned_host:
             self.warned_host = True
-            k, sel, full = hp.counts()
-            warnings.warn(
-                f"chameleon-swap: no mix of kept, swapped and recomputed blocks keeps its copies "
-                f"within host_memory_limit={format_bytes(self.host_limit)} for this step size: "
-                f"the one that moves least (keep {k}, selective {sel}, full {full}) would copy "
-                f"{format_bytes(pred.moved_bytes)} to host memory. Blocks run full when the host "
-                f"arena has no room left, and a step may still fail with HostMemoryError; raise "
-                f"host_memory_limit or the budget", RuntimeWarning, stacklevel=2)
+            warnings.warn(no_host_room(self.host_limit, hp), RuntimeWarning, stacklevel=2)
         if (not self._probed and self._probe is None and self.sel_bytes_ratio is None
                 and "full" in hp.modes):
             # The last full block in forward order: its kept outputs are held the shortest

@@ -10,10 +10,14 @@ than the mix will run: it stands for the mix until its second step replaces it. 
 tried once looked untried and was tried again at every plan; kept, it made a mix that ran well
 afterwards look worse than it was (HF Llama 256x4 at 50%: a first step of 468 ms beside steady
 ones of 347 ms, and the size left the mix).
+
+The warnings a mode plan gives (no mix fits the budget, or the host room) are worded here too.
 """
 from __future__ import annotations
 
 import statistics
+
+from ..config import format_bytes
 
 RUNS_KEPT = 3                   # step times kept per mix and size (their median ranks the mix)
 
@@ -44,3 +48,27 @@ class MixRuns:
             if secs and set(modes) == set(block_ids):
                 out[tuple(modes[b] for b in block_ids)] = statistics.median(secs)
         return out
+
+
+def no_mix_fits(budget: int, hp) -> str:
+    """The warning for a mode plan (``hp``) whose mix, the smallest found, exceeds ``budget``."""
+    k, sel, full = hp.counts()
+    pred = hp.predicted
+    return (f"chameleon-swap: no mix of kept, swapped and recomputed blocks fits the budget "
+            f"of {format_bytes(budget)} for this step size without copies forced in "
+            f"line; the smallest mix found (keep {k}, selective {sel}, full {full}, with "
+            f"swapping) peaks at {format_bytes(pred.peak_bytes)}"
+            f" and forces {pred.forced_offloads} copies. It runs that mix, and the guard "
+            f"holds the budget by waiting for copies; raise the budget above that peak for "
+            f"full speed")
+
+
+def no_host_room(host_limit: int, hp) -> str:
+    """The warning for a mode plan (``hp``) whose copies, the least found, exceed the host room."""
+    k, sel, full = hp.counts()
+    return (f"chameleon-swap: no mix of kept, swapped and recomputed blocks keeps its copies "
+            f"within host_memory_limit={format_bytes(host_limit)} for this step size: "
+            f"the one that moves least (keep {k}, selective {sel}, full {full}) would copy "
+            f"{format_bytes(hp.predicted.moved_bytes)} to host memory. Blocks run full when the "
+            f"host arena has no room left, and a step may still fail with HostMemoryError; raise "
+            f"host_memory_limit or the budget")

@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Sequence
 
-from ..planning.modes import best_count
+from ..planning.ladder import best_count
 from ..parallel.schedules import Op, Schedule, Timed, backward_positions
 
 
