@@ -326,13 +326,14 @@ def test_a_mix_slower_than_predicted_tries_its_fallback_and_the_faster_stays():
     assert modes.plans[5] is tried
 
 
-def test_a_fallback_that_runs_no_faster_gives_the_size_its_plan_back_once():
+@pytest.mark.parametrize("ran", [2.5, 1.9])   # slower; faster but within the 10% of noise
+def test_a_fallback_not_clearly_faster_gives_the_size_its_plan_back_once(ran):
     modes, step, pred, hp = _scripted_modes()
     original = modes.plans[5]
     step(3 * pred)
     step(2 * pred)                              # a miss: the fallback runs next
     step(5 * pred)
-    assert step(2.5 * pred) == hp.fallback.modes  # slower than the copying mix ran
+    assert step(ran * pred) == hp.fallback.modes
     assert modes.plans[5] is original           # back to the plan that missed ...
     for _ in range(3):                          # ... and it stays (once per size)
         assert step(2 * pred) == hp.modes

@@ -40,11 +40,12 @@ one block kept and three recomputed, predicted within 5% of all four recomputed,
 slower). So a mix that ran at this size is ranked by the step time it ran at (``measured``) and
 is always a candidate; two or more that ran calibrate those that did not (the least ratio of
 measured over predicted among them). The mix a size runs (``incumbent``) stays unless another is
-``SWITCH_GAIN`` faster, or it ran that much above its own prediction. A winner that copies leans
-on the model of the link, its part most often wrong (an 8-block HF Llama on the emulated link:
-keep 5, recompute 3, predicted 53 ms, ran 62; all full predicted 60, ran 54): the best mix scored
-that moves nothing, fits and never ran comes with it (``HybridPlan.fallback``) for the policy to
-try where the winner runs slow.
+``SWITCH_GAIN`` faster, or it ran that much above its own prediction. The model's parts most often
+wrong are the link and what a mix holds (an 8-block HF Llama on the emulated link: keep 5,
+recompute 3, predicted 53 ms, ran 62; all full predicted 60, ran 54; a 4-block one at 50%: all
+selective predicted to fit, the guard moved 7.6 MiB and it ran 1.7x of the plain step, PyTorch's
+selective 1.09x). So the best other mix scored that moves nothing, fits and never ran comes with
+the winner (``HybridPlan.fallback``), for the policy to try where the winner runs slow.
 
 Host memory is bounded too (``host_limit``: the room of the host arena, ``host_memory_limit``):
 every byte a plan copies out holds a host buffer until backward releases its tensor, so a mix
@@ -217,7 +218,7 @@ def plan_hybrid(profile: Profile, blocks: Sequence[Block], budget: Optional[int]
     ranked by what it ran, not by what the model predicts of it, and is always a candidate.
     ``incumbent``: the mix the size runs now; it stays unless another is ``SWITCH_GAIN``
     faster (a new mix costs steps of its own: its first swap plans are the guard's and made
-    from estimates). A winner that copies carries a ``fallback`` where the search scored a mix
+    from estimates). The winner carries a ``fallback`` where the search scored another mix
     that moves nothing and fits (see the module docstring)."""
     keep = tuple("keep" for _ in blocks)
     if budget is None or unmoved_peak(profile) <= budget:
@@ -238,7 +239,7 @@ def plan_hybrid(profile: Profile, blocks: Sequence[Block], budget: Optional[int]
     made = _made(search.view(best), blocks, best, swap, profile)
     quiet = [m for m, p in search.plans.items() if m != best and m not in search.measured
              and not p.predicted.moved_bytes and search.key(p.predicted, m)[:3] == (0, False, 0)]
-    if swap.predicted.moved_bytes and quiet:
+    if quiet:
         fb = min(quiet, key=lambda m: (search.score(m), m))
         fallback = _made(search.view(fb), blocks, fb, search.plans[fb], profile)
         made = replace(made, fallback=fallback)

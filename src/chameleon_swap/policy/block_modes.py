@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 from ..copy.host_pool import ALIGN
-from ..planning.modes import Block, HybridPlan, plan_hybrid, working_set
+from ..planning.modes import SWITCH_GAIN, Block, HybridPlan, plan_hybrid, working_set
 from ..planning.signatures import step_size
 from ..planning.timeline import Profile
 from . import keep_views
@@ -280,8 +280,8 @@ class BlockModes:
             return
         trial = self.trials.get(self.key)
         if trial is not None and trial[2] is plan:
-            if n == 2 and seen[-1] >= trial[1]:
-                self.plans[self.key] = trial[0]     # the fallback ran no faster: back
+            if n == 2 and seen[-1] > trial[1] * (1 - SWITCH_GAIN):
+                self.plans[self.key] = trial[0]     # not clearly faster (noise): back
             return
         pred = self.predicted_seconds() or float("inf")
         ran = statistics.median(seen)
@@ -290,9 +290,10 @@ class BlockModes:
             self.stale.add(self.key)      # ranked now by what it ran at: planned again, once
 
     def _try_fallback(self, plan: ModePlan, ran: float) -> bool:
-        """``plan``'s mix ran slower (``ran``: median) than predicted: its fallback (the best mix
-        that moves nothing, ``plan_hybrid``) runs next, once per size, no planning spent; after
-        its second step the faster stays (``_learn_run``). False where there is none."""
+        """``plan``'s mix ran slower (``ran``: median) than predicted: its fallback (the best
+        other mix that moves nothing, ``plan_hybrid``) runs next, once per size, no planning
+        spent; it stays if its second step ran ``SWITCH_GAIN`` faster (``_learn_run``; a
+        step's time varies by 10-30% on a shared CPU). False: none."""
         fb = plan.hybrid.fallback
         if fb is None or self.key in self.trials:
             return False
