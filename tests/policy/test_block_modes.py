@@ -334,7 +334,8 @@ def test_a_fallback_not_clearly_faster_gives_the_size_its_plan_back_once(ran):
     step(2 * pred)                              # a miss: the fallback runs next
     step(5 * pred)
     assert step(ran * pred) == hp.fallback.modes
-    assert modes.plans[5] is original           # back to the plan that missed ...
+    assert modes.plans[5] is original           # back to the plan that missed, which its
+    assert 5 in modes.stale                     # size plans again on what both ran at ...
     for _ in range(3):                          # ... and it stays (once per size)
         assert step(2 * pred) == hp.modes
     assert modes.plans[5] is original

@@ -34,6 +34,11 @@ def step(fwd, bwd, recompute=0.0):
     return prof, calls
 
 
+def corrected(v: KeepView, prof, calls, input_bytes):
+    timed = keep_views.timed_compute(prof, calls)
+    return timed and keep_views.corrected(v, timed, input_bytes)
+
+
 def sums(v: KeepView):
     n = v.profile.n_forward
     return sum(v.profile.compute[:n + 1]), sum(v.profile.compute[n + 1:])
@@ -41,14 +46,14 @@ def sums(v: KeepView):
 
 def test_a_view_within_ten_percent_of_the_step_stands():
     prof, calls = step([1.0, 1.05, 1.0], [2.0, 2.1, 2.0])
-    assert keep_views.corrected(view(), prof, calls, 100) is None
+    assert corrected(view(), prof, calls, 100) is None
 
 
 def test_forward_and_backward_are_corrected_apart_and_the_recompute_is_not_backward():
     # The step ran a recompute of 3 s inside a backward of 6 + 3 s: its backward is 6 s (the
     # view's), its forward 1.5 s where the view says 3 s.
     prof, calls = step([0.5, 0.5, 0.5], [3.0, 3.0, 3.0], recompute=3.0)
-    v = keep_views.corrected(view(), prof, calls, 100)
+    v = corrected(view(), prof, calls, 100)
     assert sums(v) == pytest.approx((1.5, 6.0))
     assert v.blocks[0].forward_seconds == pytest.approx(0.75)   # forward times with forward
     assert [sp.nbytes for sp in v.profile.spans] == [40, 60]     # bytes untouched
@@ -58,19 +63,33 @@ def test_a_step_of_another_size_compares_with_the_view_scaled_to_it():
     # Twice the input bytes: the view scaled reads 6 s forward, 12 s backward; the step matches
     # its forward and runs its backward in 9 s.
     prof, calls = step([2.0, 2.0, 2.0], [3.0, 3.0, 3.0])
-    v = keep_views.corrected(view(), prof, calls, 200)
+    v = corrected(view(), prof, calls, 200)
     assert v.input_bytes == 200 and sums(v) == pytest.approx((6.0, 9.0))
     assert [sp.nbytes for sp in v.profile.spans] == [80, 120]
 
 
 def test_corrections_beyond_the_clamp_are_not_believed():
     prof, calls = step([10.0, 10.0, 10.0], [0.01, 0.01, 0.01])
-    v = keep_views.corrected(view(), prof, calls, 100)
+    v = corrected(view(), prof, calls, 100)
     lo, hi = keep_views.CORRECTION_CLAMP
     assert sums(v) == pytest.approx((3.0 * hi, 6.0 * lo))
     # A step that cannot tell (no backward left once its recomputes are out) changes nothing.
     prof, calls = step([1.0, 1.0, 1.0], [1.0, 1.0, 1.0], recompute=3.0)
-    assert keep_views.corrected(view(), prof, calls, 100) is None
+    assert keep_views.timed_compute(prof, calls) is None
+
+
+def test_the_first_timed_step_corrects_at_once_later_ones_by_their_median():
+    timed = []
+    assert keep_views.settled(timed, (3.0, 6.0)) == (3.0, 6.0)     # the slow first step's fix
+    assert keep_views.settled(timed, (9.0, 1.0)) is None           # one more says nothing yet
+    # Three: the median of each, forward and backward apart (an outlier cannot move it).
+    assert keep_views.settled(timed, (3.3, 6.6)) == (3.3, 6.0)
+    assert keep_views.settled(timed, (3.1, 90.0)) == (3.3, 6.6)
+    assert len(timed) == keep_views.TIMED_KEPT                      # the last three are kept
+    # The view a steady size settles on does not follow one noisy step.
+    v = view()
+    assert keep_views.corrected(v, keep_views.settled([(3.0, 6.0)] * 2, (6.0, 12.0)), 100) \
+        is None
 
 
 def test_a_slow_first_step_is_corrected_by_later_timed_steps_on_the_emulated_link():

@@ -75,8 +75,7 @@ class BlockModes:
         self.eligible: list[bool] = []                  # per runner block (set by the engine)
         self.visits: dict[int, int] = {}                # steps run per key
         self.compute_scale: dict[int, float] = {}       # per key: measured / predicted compute
-        self.margin: dict[int, int] = {}                # per key: bytes the model missed (kept
-                                                        # off the budget it plans for)
+        self.margin: dict[int, int] = {}                # per key: bytes the model missed
         self.warned_budgets: set = set()
         self.host_limit: Optional[int] = None           # host_memory_limit (set by the policy)
         self.warned_host = False
@@ -85,8 +84,8 @@ class BlockModes:
         self.planning_seconds = 0.0                     # spent making mode plans
         self.trained_seconds = 0.0                      # steps with a budget ran (see may_replan)
         self.put_off: set = set()                       # keys whose replan waits for its share
-        self.trials: dict = {}                          # key -> (plan that missed, its time,
-                                                        #   its fallback's plan)
+        self.trials: dict = {}                          # key -> (missed plan, time, fallback)
+        self.timed: dict = {}                           # key -> timed steps' compute (keep_views)
         self.begin_step(None)
 
     # ------------------------------------------------------------------ during the step
@@ -248,7 +247,9 @@ class BlockModes:
             self._learn_view(profile, calls)
         elif profile.detailed:
             view = self.views.get(self.key) or self._view_near(self.input_bytes)
-            better = view and keep_views.corrected(view, profile, calls, self.input_bytes)
+            timed = keep_views.timed_compute(profile, calls)
+            now = timed and keep_views.settled(self.timed.setdefault(self.key, []), timed)
+            better = view and now and keep_views.corrected(view, now, self.input_bytes)
             if better:
                 self.views[self.key] = better
                 self.compute_scale.pop(self.key, None)   # the view holds measured compute now
@@ -269,8 +270,7 @@ class BlockModes:
 
     def _learn_run(self, profile, calls: list) -> None:
         """The step's time against the mix it ran (its blocks' modes as run: a probe, a block
-        run full for host room or kept for its size make another mix; ``mix_runs`` says how a
-        mix's first step counts)."""
+        run full for host room or kept for its size make another mix; see ``mix_runs``)."""
         plan = self.plan
         if plan is None or plan.key != self.key or not profile.step_seconds:
             return
@@ -281,7 +281,8 @@ class BlockModes:
         trial = self.trials.get(self.key)
         if trial is not None and trial[2] is plan:
             if n == 2 and seen[-1] > trial[1] * (1 - SWITCH_GAIN):
-                self.plans[self.key] = trial[0]     # not clearly faster (noise): back
+                self.plans[self.key] = trial[0]     # not clearly faster: back, and the plan
+                self.stale.add(self.key)            # (it missed) made again on both runs
             return
         pred = self.predicted_seconds() or float("inf")
         ran = statistics.median(seen)
@@ -292,8 +293,7 @@ class BlockModes:
     def _try_fallback(self, plan: ModePlan, ran: float) -> bool:
         """``plan``'s mix ran slower (``ran``: median) than predicted: its fallback (the best
         other mix that moves nothing, ``plan_hybrid``) runs next, once per size, no planning
-        spent; it stays if its second step ran ``SWITCH_GAIN`` faster (``_learn_run``; a
-        step's time varies by 10-30% on a shared CPU). False: none."""
+        spent; it stays if its second step ran ``SWITCH_GAIN`` faster (noise). False: none."""
         fb = plan.hybrid.fallback
         if fb is None or self.key in self.trials:
             return False

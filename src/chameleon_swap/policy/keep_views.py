@@ -11,9 +11,10 @@ A view measured once is not believed forever. The first step runs slow (cold all
 host arena filling): measured on a 4-block HF Llama at a 25% budget on the emulated link, its
 backward took 1.2-1.7x that of later steps and its forward 1.1-1.2x. Planned from it, copies
 look hidden behind a backward that is not that long, and keeping looks cheaper than it runs. So
-every timed step in another mix checks the view (``corrected``): that step's forward, and its
-backward without its recomputes (timed apart by the recompute runner), against the view's
-scaled to the step's size; beyond ``MISS`` the size gets a corrected view of its own.
+timed steps in another mix check the view (``corrected``): their forward, and their backward
+without its recomputes (timed apart by the recompute runner; ``timed_compute``), against the
+view's scaled to the step's size; beyond ``MISS`` the size gets a corrected view of its own. The
+first such step corrects at once, later ones by the median of the last three (``settled``).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from ..planning.timeline import Profile, Span
 from .checks import MISS     # a view off a timed step by more than this is corrected
 
 CORRECTION_CLAMP = (0.5, 2.0)       # a correction beyond these is not believed
+TIMED_KEPT = 3                      # timed steps per size whose median corrects its view
 FULL_RATIO_CLAMP = (0.25, 2.0)      # a full recompute against its kept forward, believed within
 
 
@@ -63,18 +65,26 @@ def block_compute(profile, call) -> float:
     return max(0.0, sec)
 
 
-def corrected(view: KeepView, profile, calls: list, input_bytes: int) -> Optional[KeepView]:
-    """``view`` at the size of ``input_bytes`` with its forward and backward compute set to what
-    the timed ``profile`` of a step in another mix measured (``calls``: the blocks' first calls,
-    their recompute times taken out of its backward); None when the view is within ``MISS`` of
-    it both ways, or the step cannot tell."""
-    f = input_bytes / max(1, view.input_bytes)
-    vp, n = view.profile, view.profile.n_forward
-    fwd, bwd = f * sum(vp.compute[:n + 1]), f * sum(vp.compute[n + 1:])
+def timed_compute(profile, calls: list) -> Optional[tuple[float, float]]:
+    """(forward, backward without its recomputes) of a timed step (``calls``: the blocks'
+    first calls, their recompute times timed apart by the recompute runner); None when the step
+    cannot tell."""
     nf = profile.n_forward
     recompute = sum(c.recompute_seconds or 0.0 for c in calls if c.mode != "keep")
     m_fwd = sum(profile.compute[:nf + 1])
     m_bwd = sum(profile.compute[nf + 1:]) - recompute
+    return (m_fwd, m_bwd) if min(m_fwd, m_bwd) > 0 else None
+
+
+def corrected(view: KeepView, measured: tuple[float, float],
+              input_bytes: int) -> Optional[KeepView]:
+    """``view`` at the size of ``input_bytes`` with its forward and backward compute set to the
+    ``measured`` ones (``timed_compute`` of steps in another mix); None when the view is within
+    ``MISS`` of them both ways."""
+    f = input_bytes / max(1, view.input_bytes)
+    vp, n = view.profile, view.profile.n_forward
+    fwd, bwd = f * sum(vp.compute[:n + 1]), f * sum(vp.compute[n + 1:])
+    m_fwd, m_bwd = measured
     if min(fwd, bwd, m_fwd, m_bwd) <= 0:
         return None
     lo, hi = CORRECTION_CLAMP
@@ -82,6 +92,22 @@ def corrected(view: KeepView, profile, calls: list, input_bytes: int) -> Optiona
     if abs(ff - 1) <= MISS and abs(fb - 1) <= MISS:
         return None
     return scaled(view, f, input_bytes, seconds=(ff * f, fb * f))
+
+
+def settled(timed: list, new: tuple[float, float]) -> Optional[tuple[float, float]]:
+    """What a size's timed steps in other mixes say its compute is, once ``new`` (a step's
+    ``timed_compute``) joins ``timed`` (the size's last ones, oldest first; kept to
+    ``TIMED_KEPT``): the first alone (it corrects the slow first step at once), then nothing
+    until three, then the median of the last three, forward and backward apart. One step's time
+    varies by 10-30% on a shared CPU: corrected on every step, the demo's 8-block Llama made a
+    50-150 ms mode plan every few steps for the mix it ran already."""
+    timed.append(new)
+    del timed[:-TIMED_KEPT]
+    if len(timed) == 1:
+        return new
+    if len(timed) < TIMED_KEPT:
+        return None
+    return tuple(sorted(t[i] for t in timed)[len(timed) // 2] for i in (0, 1))
 
 
 def scaled(view: KeepView, f: float, input_bytes: int, seconds=None) -> KeepView:
