@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -326,6 +327,29 @@ def test_a_mix_slower_than_predicted_tries_its_fallback_and_the_faster_stays():
     assert modes.plans[5] is tried
 
 
+def test_a_mix_that_copies_is_checked_against_its_fallback_though_it_ran_as_predicted():
+    modes, step, pred, hp = _scripted_modes()
+    assert hp.predicted.moved_bytes > 0
+    step(3 * pred)
+    assert step(pred) == hp.modes               # as predicted, but it copies: checked
+    assert tuple(modes.plans[5].modes.values()) == hp.fallback.modes
+
+
+def test_a_mix_that_moves_nothing_is_tried_against_its_fallback_only_where_it_ran_slow():
+    modes, step, pred, hp = _scripted_modes()
+    quiet = hp.fallback                         # a plan that moves nothing, given a fallback
+    # (what the fallback is does not matter here: the trigger is what is tested)
+    plan = modes.plans[5]
+    modes.plans[5] = replace(plan, modes=dict(zip(plan.modes, quiet.modes)),
+                             hybrid=replace(quiet, fallback=hp), working_set={})
+    pred = quiet.predicted.total_seconds
+    step(3 * pred)
+    step(1.05 * pred)                           # within 10% of its prediction: it stays
+    assert modes.plans[5].hybrid is not hp and not modes.trials.by_key
+    step(1.5 * pred)                            # its median now 1.28x: the fallback runs next
+    assert modes.plans[5].hybrid is hp
+
+
 @pytest.mark.parametrize("ran", [2.5, 1.9])   # slower; faster but within the 10% of noise
 def test_a_fallback_not_clearly_faster_gives_the_size_its_plan_back_once(ran):
     modes, step, pred, hp = _scripted_modes()
@@ -363,7 +387,7 @@ def test_a_mix_that_copies_and_runs_slow_on_the_emulated_link_gives_way_to_its_f
     def between(eng):
         m = eng._policy.modes
         m._probe, m._probed = None, True
-        trials.append(dict(m.trials))
+        trials.append(dict(m.trials.by_key))
     history, _, budget = compare(model, batches, 0.4, model_kwarg=True, emulate_link="200MB/s",
                                  min_tensor_bytes=2**16, between=between)
     runs = [(s.block_modes, s.plan_source, s.offloaded_bytes) for s in history]

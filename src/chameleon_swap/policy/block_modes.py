@@ -1,19 +1,23 @@
 """Block modes at run time: which mode each block runs in this step (policy side of recompute).
 
-The recompute runner (``recompute/runner.py``, mechanism) asks ``mode(b, input_bytes)`` when block ``b``
-starts; this class answers from a mode plan (``planning.modes.plan_hybrid``) made for the step's
-size.
+The recompute runner (``recompute/runner.py``, mechanism) asks ``mode(b, input_bytes)`` when block
+``b`` starts; this class answers from a mode plan (``planning.modes.plan_hybrid``) made for the
+step's size.
 
 * Sizes. A step is keyed by its step size (``signatures.step_size``: its first block's input,
   tokens x hidden, bucketed; it changes with the sequence length and batch, not with the data).
-  Each key gets a plan of its own;
-  a step of a key not planned yet runs the plan of the nearest larger key (more recomputation is
-  the safe side), else of the largest, and its key is planned at the end of that step.
+  Each key gets a plan of its own; a step of a key not planned yet runs the plan of the nearest
+  larger key (more recomputation is the safe side), else of the largest, and its key is planned
+  at the end of that step.
 * Keep views. The planner needs the step as it is with every block kept. That is measured on a
   detailed step that ran every block kept (the very first step does); a key that never ran so is
   planned on the nearest measured keep view, scaled to its size (bytes and time in proportion to
-  the input bytes). A timed step in another mix corrects the compute of the view its size plans
-  from, and the size is planned again (``keep_views.corrected``: the first step runs slow).
+  the input bytes). Timed steps in other mixes correct the compute of the view its size plans
+  from (the first step runs slow: the first such step at once, later ones by their median,
+  ``keep_views.settled``), and the size is planned again.
+* What ran outranks what was predicted (``mix_runs``): mixes that ran are ranked by their step
+  times, and a mix that copies, or ran slower than predicted, is checked once per size against
+  its plan's fallback (the best mix that moves nothing) by running it; the faster stays.
 * Selective figures (what selective checkpointing keeps and costs) are measured, not assumed: the
   first time a plan recomputes a block fully and selective was never measured, one such block runs
   selective for one step; its held bytes and recompute time, against its keep-view figures, give
@@ -34,17 +38,17 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 from ..copy.host_pool import ALIGN
-from ..planning.modes import SWITCH_GAIN, Block, HybridPlan, plan_hybrid, working_set
+from ..planning.modes import Block, HybridPlan, plan_hybrid, working_set
 from ..planning.signatures import step_size
 from ..planning.timeline import Profile
 from . import keep_views
 from .checks import MISS     # a mix that ran this much slower than its plan said: plan again
 from .keep_views import KeepView, scaled
-from .mix_runs import MixRuns, no_host_room, no_mix_fits
+from .mix_runs import MixRuns, Trials, no_host_room, no_mix_fits
 
 REPLAN_BUDGET_CHANGE = 0.05     # a budget that moved by more than this re-plans the key
 REPLAN_MOVE_CHANGE = 0.3       # so does a cost of a move that changed by more than this
-PLANNING_SHARE = 0.25           # planning again takes at most this share of the steps' time
+PLANNING_SHARE = 0.10           # planning again takes at most this share of the steps' time
 
 
 @dataclass
@@ -84,7 +88,7 @@ class BlockModes:
         self.planning_seconds = 0.0                     # spent making mode plans
         self.trained_seconds = 0.0                      # steps with a budget ran (see may_replan)
         self.put_off: set = set()                       # keys whose replan waits for its share
-        self.trials: dict = {}                          # key -> (missed plan, time, fallback)
+        self.trials = Trials()                          # per key: its fallback's trial
         self.timed: dict = {}                           # key -> timed steps' compute (keep_views)
         self.begin_step(None)
 
@@ -181,9 +185,10 @@ class BlockModes:
 
     def may_replan(self) -> bool:
         """Planning a size again fits the planning time allowed so far (``PLANNING_SHARE`` of
-        the steps' seconds; a first plan is always made). On an 8-block HF Llama a mode plan
-        takes 0.1-0.3 s, 2-5 of its steps; planning again on all that was learnt (views, selective,
-        moves, mixes that ran) made 14 plans in 24 steps, for mixes 5-10% apart."""
+        the steps' seconds; a first plan is always made). An 8-block HF Llama's mode plan takes
+        50-150 ms, 1-2 of its steps. Unrationed, its demo made 14 plans in 24 steps for mixes
+        5-10% apart; at a quarter, its last 12 steps ran 1.04-1.78x checkpointing's time over
+        three runs (replans inside them), at a tenth 1.10-1.13x."""
         return self.planning_seconds <= PLANNING_SHARE * self.trained_seconds
 
     def run_full(self, b: int, estimate: int, input_bytes: int) -> str:
@@ -278,31 +283,26 @@ class BlockModes:
         planned = tuple(sorted((b, plan.modes.get(b, "keep")) for b, _ in mix))
         if n < 2 or mix != planned:  # (a mix's first step ran on a stand-in swap plan)
             return
-        trial = self.trials.get(self.key)
-        if trial is not None and trial[2] is plan:
-            if n == 2 and seen[-1] > trial[1] * (1 - SWITCH_GAIN):
-                self.plans[self.key] = trial[0]     # not clearly faster: back, and the plan
-                self.stale.add(self.key)            # (it missed) made again on both runs
+        if self.trials.running(self.key, plan):
+            back = self.trials.back(self.key, seen[-1]) if n == 2 else None
+            if back is not None:                    # not clearly faster: back, and the size
+                self.plans[self.key] = back         # planned again on what both ran at
+                self.stale.add(self.key)
             return
         pred = self.predicted_seconds() or float("inf")
         ran = statistics.median(seen)
-        if not (ran > pred * (1 + MISS) and self._try_fallback(plan, ran)) and n == 2 \
+        # A mix that copies is checked against its fallback whatever it ran at (the link and
+        # what copies cost the compute: the model's least sure parts); one that does not, if slow
+        check = ran > pred * (1 + MISS) or plan.hybrid.predicted.moved_bytes > 0
+        if not (check and self._try_fallback(plan, ran)) and n == 2 \
                 and seen[-1] > pred * (1 + MISS):
             self.stale.add(self.key)      # ranked now by what it ran at: planned again, once
 
     def _try_fallback(self, plan: ModePlan, ran: float) -> bool:
-        """``plan``'s mix ran slower (``ran``: median) than predicted: its fallback (the best
-        other mix that moves nothing, ``plan_hybrid``) runs next, once per size, no planning
-        spent; it stays if its second step ran ``SWITCH_GAIN`` faster (noise). False: none."""
-        fb = plan.hybrid.fallback
-        if fb is None or self.key in self.trials:
-            return False
-        ids = list(plan.modes)
-        self.plans[self.key] = tried = replace(
-            plan, modes=dict(zip(ids, fb.modes)), hybrid=fb,
-            working_set=dict(zip(ids, fb.working_set)), replanned=True)
-        self.trials[self.key] = (plan, ran, tried)
-        return True
+        """``plan``'s fallback runs next (``mix_runs.Trials``); False: none to try."""
+        tried = self.trials.start(self.key, plan, ran)
+        self.plans[self.key] = tried or plan
+        return tried is not None
 
     def measured(self, key: int, block_ids: list) -> dict:
         return self.runs.measured(key, block_ids)

@@ -11,13 +11,19 @@ tried once looked untried and was tried again at every plan; kept, it made a mix
 afterwards look worse than it was (HF Llama 256x4 at 50%: a first step of 468 ms beside steady
 ones of 347 ms, and the size left the mix).
 
+A plan's fallback (``HybridPlan.fallback``: the best other mix that moves nothing) is run
+against the mix the plan chose once per size (``Trials``); after its second step the faster
+stays, by more than ``SWITCH_GAIN`` (one step's time varies by 10-30% on a shared CPU).
+
 The warnings a mode plan gives (no mix fits the budget, or the host room) are worded here too.
 """
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 
 from ..config import format_bytes
+from ..planning.modes import SWITCH_GAIN
 
 RUNS_KEPT = 3                   # step times kept per mix and size (their median ranks the mix)
 
@@ -49,6 +55,37 @@ class MixRuns:
                 out[tuple(modes[b] for b in block_ids)] = statistics.median(secs)
         return out
 
+
+
+class Trials:
+    """The fallback trials of ``block_modes.BlockModes``, one per size at most."""
+
+    def __init__(self) -> None:
+        self.by_key: dict = {}     # key -> (plan that ran, its median time, the fallback's plan)
+
+    def start(self, key: int, plan, ran: float):
+        """``plan`` (a ``ModePlan``) with its mix replaced by its fallback's, to run next at
+        ``key`` (its mix ran at median ``ran``); None where it has no fallback, or the size had
+        its trial."""
+        fb = plan.hybrid.fallback
+        if fb is None or key in self.by_key:
+            return None
+        ids = list(plan.modes)
+        tried = replace(plan, modes=dict(zip(ids, fb.modes)), hybrid=fb,
+                        working_set=dict(zip(ids, fb.working_set)), replanned=True)
+        self.by_key[key] = (plan, ran, tried)
+        return tried
+
+    def running(self, key: int, plan) -> bool:
+        """``plan`` is the fallback on trial at ``key``."""
+        trial = self.by_key.get(key)
+        return trial is not None and trial[2] is plan
+
+    def back(self, key: int, seconds: float):
+        """After the fallback's second step at ``key`` took ``seconds``: the plan to go back
+        to where it was not clearly faster, else None (it stays)."""
+        plan, ran, _ = self.by_key[key]
+        return plan if seconds > ran * (1 - SWITCH_GAIN) else None
 
 def no_mix_fits(budget: int, hp) -> str:
     """The warning for a mode plan (``hp``) whose mix, the smallest found, exceeds ``budget``."""
