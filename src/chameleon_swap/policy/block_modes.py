@@ -291,11 +291,11 @@ class BlockModes:
             return
         pred = self.predicted_seconds() or float("inf")
         ran = statistics.median(seen)
-        # A mix that copies is checked against its fallback whatever it ran at (the link and
-        # what copies cost the compute: the model's least sure parts); one that does not, if slow
-        check = ran > pred * (1 + MISS) or plan.hybrid.predicted.moved_bytes > 0
-        if not (check and self._try_fallback(plan, ran)) and n == 2 \
-                and seen[-1] > pred * (1 + MISS):
+        # Copies over MISS of the step on the link (the model's least sure part): checked anyway
+        p = plan.hybrid.predicted
+        copying = p.moved_bytes / min(self.bandwidth_fn()) > MISS * p.total_seconds
+        if not ((ran > pred * (1 + MISS) or copying) and self._try_fallback(plan, ran)) \
+                and n == 2 and seen[-1] > pred * (1 + MISS):
             self.stale.add(self.key)      # ranked now by what it ran at: planned again, once
 
     def _try_fallback(self, plan: ModePlan, ran: float) -> bool:
