@@ -26,6 +26,16 @@ def test_a_mix_keeps_its_last_step_times_and_is_read_by_their_median():
     assert runs.measured(7, [1, 0]) == {("full", "keep"): 2.0, ("full", "full"): 4.0}
 
 
+def test_of_two_step_times_the_faster_ranks_the_mix():
+    # Noise only slows a step: the mean of 139 and 202 ms would rank the mix at 170.
+    runs = MixRuns()
+    for t in (0.5, 0.139, 0.202):
+        runs.add(7, calls("keep", "keep"), t)
+    assert runs.measured(7, [0, 1]) == {("keep", "keep"): 0.139}
+    runs.add(7, calls("keep", "keep"), 0.150)          # three: their median
+    assert runs.measured(7, [0, 1]) == {("keep", "keep"): 0.150}
+
+
 def test_other_sizes_and_other_blocks_are_not_this_sizes_mixes():
     runs = MixRuns()
     runs.add(7, calls("keep", "full"), 1.0)

@@ -2,8 +2,11 @@
 
 A mode plan is chosen on a model; what the mix then runs at is the truth the model answers to.
 Each step's time is kept against the mix it ran (its blocks' modes as run, so a probe or a block
-run full for host room counts as the mix it made) and its step size; the median of the last
-``RUNS_KEPT`` ranks the mix when its size is planned again (``planning.modes.plan_hybrid``).
+run full for host room counts as the mix it made) and its step size; the low median of the last
+``RUNS_KEPT`` ranks the mix when its size is planned again (``planning.modes.plan_hybrid``). Low:
+of two, the faster. A shared machine's noise only slows a step, and the mean of two let one slow
+step rank a mix above another it ran faster than (HF Llama 256x4 at 75%, 384 tokens: swap only
+ran 139 ms, then 202 ms on a step whose copies stalled; read at 170 ms, it lost to a mix at 153).
 
 A mix's first step at a size runs on the guard's swap plan or one made from estimates, slower
 than the mix will run: it stands for the mix until its second step replaces it. Left out, a mix
@@ -25,7 +28,7 @@ from dataclasses import replace
 from ..config import format_bytes
 from ..planning.modes import SWITCH_GAIN
 
-RUNS_KEPT = 3                   # step times kept per mix and size (their median ranks the mix)
+RUNS_KEPT = 3                   # step times kept per mix and size (their low median ranks it)
 
 
 class MixRuns:
@@ -47,12 +50,13 @@ class MixRuns:
         return mix, seen, n
 
     def measured(self, key: int, block_ids: list) -> dict:
-        """Mixes (modes in ``block_ids`` order) that ran at ``key``, with their median time."""
+        """Mixes (modes in ``block_ids`` order) that ran at ``key``, with their low median
+        time."""
         out = {}
         for mix, secs in self.runs.get(key, {}).items():
             modes = dict(mix)
             if secs and set(modes) == set(block_ids):
-                out[tuple(modes[b] for b in block_ids)] = statistics.median(secs)
+                out[tuple(modes[b] for b in block_ids)] = statistics.median_low(secs)
         return out
 
 
