@@ -458,6 +458,7 @@ def test_a_winner_that_moves_nothing_falls_back_on_another_that_moves_nothing():
     assert hp.predicted.moved_bytes == 0 and "selective" in hp.modes
     fb = hp.fallback
     assert fb is not None and fb.modes != hp.modes and fb.predicted.moved_bytes == 0
+    assert "selective" not in fb.modes         # what the model is surest of: keep and full
     assert fb.predicted.total_seconds >= hp.predicted.total_seconds
     # A step that fits plans nothing, and carries nothing to fall back on.
     assert plan_hybrid(prof, blocks, unmoved_peak(prof)).fallback is None
@@ -466,11 +467,13 @@ def test_a_winner_that_moves_nothing_falls_back_on_another_that_moves_nothing():
 @settings(max_examples=40, deadline=None)
 @given(n_blocks=st.integers(1, 6), per_block=st.integers(1, 4),
        bw=st.sampled_from([1e7, 1e8, 1e9, 1e10, 1e12]),
-       frac=st.floats(0.1, 0.95), inp=st.integers(0, MB))
-def test_a_fallback_moves_nothing_fits_and_is_another_mix(n_blocks, per_block, bw, frac, inp):
-    prof, blocks = keep_view(n_blocks, per_block, bw=bw, input_bytes=inp)
+       frac=st.floats(0.1, 0.95), inp=st.integers(0, MB),
+       sel=st.one_of(st.none(), st.floats(0.1, 0.9)))
+def test_a_fallback_moves_nothing_fits_and_is_another_mix(n_blocks, per_block, bw, frac, inp, sel):
+    prof, blocks = keep_view(n_blocks, per_block, bw=bw, input_bytes=inp, selective=sel)
     hp = plan_hybrid(prof, blocks, int(unmoved_peak(prof) * frac))
     fb = hp.fallback
     if fb is not None:
         assert fb.modes != hp.modes and fb.predicted.moved_bytes == 0
         assert fb.predicted.budget_ok and not fb.predicted.forced_offloads
+        assert set(fb.modes) <= {"keep", "full"}

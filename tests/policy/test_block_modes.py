@@ -341,6 +341,20 @@ def test_a_mix_that_copies_is_checked_against_its_fallback_though_it_ran_as_pred
     assert tried == (copies > 0.1 * hp.predicted.total_seconds), copies
 
 
+def test_a_mix_with_a_selective_block_is_checked_against_its_fallback_though_it_ran_as_predicted():
+    # Selective's figures come from one probe of one block: a mix that leans on them is run
+    # beside the fallback once, as a mix that copies is. (The trigger is what is tested: the
+    # plan is the scripted one with its last block's mode set selective.)
+    modes, step, pred, hp = _scripted_modes()
+    modes.bandwidth_fn = lambda: (1e13, 1e13)   # its copies: nothing to the step
+    plan = modes.plans[5]
+    sel = replace(hp, modes=hp.modes[:-1] + ("selective",))
+    modes.plans[5] = replace(plan, modes=dict(zip(plan.modes, sel.modes)), hybrid=sel)
+    step(3 * pred)
+    step(pred)                                  # as predicted
+    assert modes.plans[5].hybrid is hp.fallback
+
+
 def test_a_mix_that_moves_nothing_is_tried_against_its_fallback_only_where_it_ran_slow():
     modes, step, pred, hp = _scripted_modes()
     quiet = hp.fallback                         # a plan that moves nothing, given a fallback

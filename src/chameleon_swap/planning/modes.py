@@ -44,8 +44,9 @@ measured over predicted among them). The mix a size runs (``incumbent``) stays u
 wrong are the link and what a mix holds (an 8-block HF Llama on the emulated link: keep 5,
 recompute 3, predicted 53 ms, ran 62; all full predicted 60, ran 54; a 4-block one at 50%: all
 selective predicted to fit, the guard moved 7.6 MiB and it ran 1.7x of the plain step, PyTorch's
-selective 1.09x). So the best other mix scored that moves nothing, fits and never ran comes with
-the winner (``HybridPlan.fallback``), for the policy to try where the winner runs slow.
+selective 1.09x). So the best other mix scored of those the model is surest of (kept and fully
+recomputed blocks only, nothing moved) that fits and never ran comes with the winner
+(``HybridPlan.fallback``), for the policy to run beside it.
 
 Host memory is bounded too (``host_limit``: the room of the host arena, ``host_memory_limit``):
 every byte a plan copies out holds a host buffer until backward releases its tensor, so a mix
@@ -219,7 +220,7 @@ def plan_hybrid(profile: Profile, blocks: Sequence[Block], budget: Optional[int]
     ``incumbent``: the mix the size runs now; it stays unless another is ``SWITCH_GAIN``
     faster (a new mix costs steps of its own: its first swap plans are the guard's and made
     from estimates). The winner carries a ``fallback`` where the search scored another mix
-    that moves nothing and fits (see the module docstring)."""
+    that moves nothing, recomputes nothing selectively and fits (see the module docstring)."""
     keep = tuple("keep" for _ in blocks)
     if budget is None or unmoved_peak(profile) <= budget:
         return _made(profile, blocks, keep, Plan(frozenset(), {}, budget,
@@ -238,7 +239,8 @@ def plan_hybrid(profile: Profile, blocks: Sequence[Block], budget: Optional[int]
     swap = final if search.key(final.predicted, best) <= search.key(quick.predicted, best) else quick
     made = _made(search.view(best), blocks, best, swap, profile)
     quiet = [m for m, p in search.plans.items() if m != best and m not in search.measured
-             and not p.predicted.moved_bytes and search.key(p.predicted, m)[:3] == (0, False, 0)]
+             and "selective" not in m and not p.predicted.moved_bytes
+             and search.key(p.predicted, m)[:3] == (0, False, 0)]
     if quiet:
         fb = min(quiet, key=lambda m: (search.score(m), m))
         fallback = _made(search.view(fb), blocks, fb, search.plans[fb], profile)

@@ -243,10 +243,8 @@ class BlockModes:
             return
         self.visits[self.key] = self.visits.get(self.key, 0) + 1
         self.trained_seconds += profile.step_seconds or 0.0
-        first = {}
-        for c in calls:                      # the first call of each block (one per step)
-            first.setdefault(c.block, c)
-        calls = list(first.values())
+        first: dict = {}                     # the first call of each block (one per step)
+        calls = [first.setdefault(c.block, c) for c in calls if c.block not in first]
         self._learn_run(profile, calls)
         if profile.detailed and all(c.mode == "keep" for c in calls):
             self._learn_view(profile, calls)
@@ -291,10 +289,11 @@ class BlockModes:
             return
         pred = self.predicted_seconds() or float("inf")
         ran = statistics.median(seen)
-        # Copies over MISS of the step on the link (the model's least sure part): checked anyway
+        # Copies over MISS of the step on the link, or selective (one probe): checked anyway
         p = plan.hybrid.predicted
-        copying = p.moved_bytes / min(self.bandwidth_fn()) > MISS * p.total_seconds
-        if not ((ran > pred * (1 + MISS) or copying) and self._try_fallback(plan, ran)) \
+        unsure = (p.moved_bytes / min(self.bandwidth_fn()) > MISS * p.total_seconds
+                  or "selective" in plan.hybrid.modes)
+        if not ((ran > pred * (1 + MISS) or unsure) and self._try_fallback(plan, ran)) \
                 and n == 2 and seen[-1] > pred * (1 + MISS):
             self.stale.add(self.key)      # ranked now by what it ran at: planned again, once
 
