@@ -16,8 +16,8 @@ step's size.
   from (the first step runs slow: the first such step at once, later ones by their median,
   ``keep_views.settled``), and the size is planned again.
 * What ran outranks what was predicted (``mix_runs``): mixes that ran are ranked by their step
-  times, and a mix that copies, or ran slower than predicted, is checked once per size against
-  its plan's fallback (the best mix that moves nothing) by running it; the faster stays.
+  times, and a mix that copies, recomputes selectively or ran slower than predicted is checked
+  once per size against its plan's fallback (kept and full blocks, nothing moved); faster stays.
 * Selective figures (what selective checkpointing keeps and costs) are measured, not assumed: the
   first time a plan recomputes a block fully and selective was never measured, one such block runs
   selective for one step; its held bytes and recompute time, against its keep-view figures, give
