@@ -82,7 +82,7 @@ def steady_planning(monkeypatch, tick: float = 50e-6) -> None:
     and swap plans learn from the wall clock: the plans then depend on the bytes and the link
     alone. Each input switched off here has tests of its own on the real clock (the emulated
     link); a steady mock of the profiler's clock cannot make the steps' wall time steady."""
-    from chameleon_swap.policy import block_modes, checks, keep_views
+    from chameleon_swap.policy import block_modes, checks, keep_views, mix_runs
     from chameleon_swap.runtime import profiler
     ticks = iter(range(10**9))
     monkeypatch.setattr(profiler._CpuClock, "mark", lambda self: next(ticks) * tick)
@@ -92,7 +92,7 @@ def steady_planning(monkeypatch, tick: float = 50e-6) -> None:
     # Mixes that ran are ranked by their steps' wall time, nor does a mix that ran slower than
     # predicted try its plan's fallback.
     monkeypatch.setattr(block_modes.BlockModes, "measured", lambda self, key, ids: {})
-    monkeypatch.setattr(block_modes.BlockModes, "_try_fallback", lambda self, plan, ran: False)
+    monkeypatch.setattr(mix_runs.Trials, "start", lambda self, key, plan, ran: None)
     # Keep views are not corrected by timed steps: ticks count marks, and a mix that saves less
     # takes fewer.
     monkeypatch.setattr(keep_views, "corrected", lambda *a, **k: None)

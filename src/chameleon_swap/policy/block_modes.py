@@ -243,8 +243,10 @@ class BlockModes:
             return
         self.visits[self.key] = self.visits.get(self.key, 0) + 1
         self.trained_seconds += profile.step_seconds or 0.0
-        first: dict = {}                     # the first call of each block (one per step)
-        calls = [first.setdefault(c.block, c) for c in calls if c.block not in first]
+        first = {}
+        for c in calls:                      # the first call of each block (one per step)
+            first.setdefault(c.block, c)
+        calls = list(first.values())
         self._learn_run(profile, calls)
         if profile.detailed and all(c.mode == "keep" for c in calls):
             self._learn_view(profile, calls)
@@ -293,15 +295,11 @@ class BlockModes:
         p = plan.hybrid.predicted
         unsure = (p.moved_bytes / min(self.bandwidth_fn()) > MISS * p.total_seconds
                   or "selective" in plan.hybrid.modes)
-        if not ((ran > pred * (1 + MISS) or unsure) and self._try_fallback(plan, ran)) \
-                and n == 2 and seen[-1] > pred * (1 + MISS):
+        tried = (ran > pred * (1 + MISS) or unsure) and self.trials.start(self.key, plan, ran)
+        if tried:
+            self.plans[self.key] = tried  # its fallback runs next (``mix_runs.Trials``)
+        elif n == 2 and seen[-1] > pred * (1 + MISS):
             self.stale.add(self.key)      # ranked now by what it ran at: planned again, once
-
-    def _try_fallback(self, plan: ModePlan, ran: float) -> bool:
-        """``plan``'s fallback runs next (``mix_runs.Trials``); False: none to try."""
-        tried = self.trials.start(self.key, plan, ran)
-        self.plans[self.key] = tried or plan
-        return tried is not None
 
     def measured(self, key: int, block_ids: list) -> dict:
         return self.runs.measured(key, block_ids)
