@@ -324,7 +324,7 @@ def test_a_stalled_step_plans_from_its_compute_not_its_waits_on_the_emulated_lin
                     [sum(p.waits[c.first_record + 1:c.end_record + 1]) for c in p.blocks])
 
     runs = {"100GB/s": [], "100MB/s": []}
-    for _ in range(3):
+    for _ in range(5):       # medians of five: with three, a full suite once read block 0 at 1.32x
         for link in runs:
             runs[link].append(first_step(link))
 
