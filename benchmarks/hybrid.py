@@ -29,9 +29,9 @@ memory (CUDA ``max_memory_allocated`` above the step's start; on the CPU the ben
 what the step allocates, from one metered step at the longest length), bytes moved, bytes
 recomputed, block modes; and whether every loss was bit-for-bit the plain step's.
 
-Time on one H100 (``--device cuda``, default config, from the step times the project measured
-there: about 0.5 s a step): 5 modes x 3 budgets x (2 + 4) steps, about 1.5 minutes plus the first
-steps; ``--quick`` halves it. On 2 CPU cores the default CPU config takes about 3 minutes.
+Time on one H100 (``--device cuda``, default config): 5 modes x 3 budgets x (2 + 4) steps x 3
+lengths, 270 steps; their times summed to 166 s when the project ran it there, about 3 minutes
+with the model's set-up. ``--quick`` halves the steps, ``--fractions 0.25`` runs one budget. On 2 CPU cores the default CPU config takes about 3 minutes.
 
 Writes ``benchmarks/results/hybrid-<device>.json`` (environment, config, medians, ratios), a
 markdown table next to it and a PNG.
@@ -71,6 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--emulate-link", default=None, metavar="BW",
                    help="CPU only: the engines' copies run at this bandwidth (e.g. 60MB/s)")
     p.add_argument("--label", default=None, help="added to the results' file name (e.g. before)")
+    p.add_argument("--fractions", default=",".join(str(f) for f in FRACTIONS), metavar="F,F",
+                   help="budgets as shares of the natural peak, each in (0, 1] "
+                        "(default: %(default)s; fewer fit a short GPU lease)")
     a = p.parse_args(argv)
     if a.emulate_link is not None:
         if a.device != "cpu":
@@ -79,6 +82,14 @@ def parse_args(argv=None) -> argparse.Namespace:
             cs.config.parse_bandwidth(a.emulate_link, "--emulate-link")
         except (TypeError, ValueError) as exc:
             p.error(str(exc))
+    raw = a.fractions
+    try:
+        a.fractions = tuple(float(x) for x in raw.split(","))
+    except ValueError:
+        a.fractions = ()
+    if not a.fractions or not all(0 < f <= 1 for f in a.fractions):
+        p.error(f"--fractions takes shares of the natural peak in (0, 1], separated by commas "
+                f"(e.g. 0.25,0.5); got {raw!r}")
     C.apply_threads(a)
     cuda = a.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
@@ -177,9 +188,9 @@ def main(argv=None) -> int:
     results: dict = {}
     losses_equal = True
     steps = a.warmup + a.reps
-    total = len(FRACTIONS) * steps * (len(peers) + 2) * len(lengths)
+    total = len(a.fractions) * steps * (len(peers) + 2) * len(lengths)
     with C.progress(total, f"hybrid {a.config} on {C.device_name(device)}") as advance:
-        for f in FRACTIONS:
+        for f in a.fractions:
             budget = int(natural * f)
             tag = f"{int(f * 100)}%"
             link = {} if a.emulate_link is None else {"emulate_link": a.emulate_link}
@@ -211,13 +222,18 @@ def main(argv=None) -> int:
             for e in engines.values():
                 e.close()
             results[tag] = summarize(rec, modes, engines, budget)
+            # Each budget's medians as it ends: a run stopped early (a short lease) keeps them.
+            print(f"{tag}: " + ", ".join(
+                f"{m} {r['ratio_vs_none']:.2f}x" + (f" {tuple(r['block_modes'])}"
+                                                   if r.get("block_modes") else "")
+                for m, r in results[tag].items()), flush=True)
     env = C.environment(device)
     payload = {"benchmark": "hybrid", "environment": env,
                "config": {"model": "LlamaForCausalLM", "hidden": cfg.hidden_size,
                           "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,
                           "ffn": cfg.intermediate_size, "vocab": cfg.vocab_size,
                           "lengths": list(lengths), "batch": 1, "reps": a.reps,
-                          "warmup": a.warmup, "fractions": list(FRACTIONS),
+                          "warmup": a.warmup, "fractions": list(a.fractions),
                           "autocast": "bf16" if device.type == "cuda" else None,
                           "threads": torch.get_num_threads(),
                           "emulated_link": a.emulate_link},

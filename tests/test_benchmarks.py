@@ -62,3 +62,15 @@ def test_offload_overhead_on_cuda_plans_the_steps_its_estimate_counts(script, fa
     modes = 2 + 3                                           # none, save_on_cpu, three budgets
     assert (a.warmup + a.reps) * modes <= 85
     assert (a.dim, a.layers, a.batch, a.seq) == (1024, 8, 8, 1024)
+
+
+def test_hybrid_on_cuda_plans_the_steps_its_estimate_counts(script, fake_cuda):
+    h = script("hybrid")
+    a = h.parse_args(["--device", "cuda"])
+    steps = len(a.fractions) * (a.warmup + a.reps) * 5 * len(h.GPU_CONFIGS[a.config])
+    assert a.config == "4096x8" and a.fractions == (0.25, 0.5, 0.75) and steps == 270
+    # A short lease runs fewer budgets; what is not a share of the peak is refused by name.
+    assert h.parse_args(["--device", "cuda", "--fractions", "0.25,0.5"]).fractions == (0.25, 0.5)
+    for bad in ("0", "1.5", "a,b", ""):
+        with pytest.raises(SystemExit):
+            h.parse_args(["--device", "cuda", "--fractions", bad])

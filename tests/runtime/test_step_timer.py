@@ -150,6 +150,7 @@ def test_a_synchronized_step_reports_its_wall_time_at_once(budget):
         assert not eng._timer._pending
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_step_without_budget_gets_its_device_time_a_step_late():
     dev = torch.device("cuda")

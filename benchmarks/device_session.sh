@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One short GPU lease, in order of what matters most; every part has its own time limit, so a
+# part that hangs or crashes leaves the later ones their turn. Run from the repository root on a
+# machine with a CUDA device and torch, transformers, pytest and hypothesis installed:
+#
+#     OUT=out/device bash benchmarks/device_session.sh
+#
+# 1. the machine and its link (`chameleon-swap info`);
+# 2. benchmarks/hybrid.py --device cuda: HF Llama 4096x8, lengths 8k/16k/12k, none, full and
+#    selective recomputation, swap only and the hybrid at 25/50/75% (about 3 minutes on an H100);
+# 3. `chameleon-swap demo --device cuda`: the demo's legs at GPU size, with the comparison
+#    against gradient checkpointing (HF Llama 2048x16 at 4k-8k tokens);
+# 4. the CUDA tests (`-m cuda`) under TORCH_CUDA_SANITIZER=1.
+#
+# Everything lands in $OUT: one log per part and results.tgz holding the JSON, markdown and PNGs.
+# The limits (seconds) can be changed: HYBRID_S, DEMO_S, TESTS_S.
+set -u
+OUT=${OUT:-out/device}
+mkdir -p "$OUT/work"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+stamp() { echo "== $(date -u +%H:%M:%S) $*"; }
+
+{
+    stamp "info"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    git rev-parse --short HEAD 2>/dev/null || true
+    python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+    timeout 60 python3 -m chameleon_swap info
+} >"$OUT/info.txt" 2>&1
+
+stamp "hybrid" >"$OUT/hybrid.log"
+timeout "${HYBRID_S:-260}" python3 benchmarks/hybrid.py --device cuda --config 4096x8 \
+    --out "$OUT/work/hybrid" >>"$OUT/hybrid.log" 2>&1
+echo "exit $?" >>"$OUT/hybrid.log"
+
+stamp "demo" >"$OUT/demo.log"
+timeout "${DEMO_S:-130}" python3 -m chameleon_swap demo --device cuda --steps 20 \
+    --out "$OUT/work/demo" >>"$OUT/demo.log" 2>&1
+echo "exit $?" >>"$OUT/demo.log"
+
+stamp "tests" >"$OUT/tests.log"
+TORCH_CUDA_SANITIZER=1 timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider -rf \
+    -m cuda tests >>"$OUT/tests.log" 2>&1
+echo "exit $?" >>"$OUT/tests.log"
+
+tar czf "$OUT/results.tgz" -C "$OUT/work" . 2>/dev/null
+stamp "done"
