@@ -16,7 +16,8 @@
 # The limits (seconds) can be changed: HYBRID_S, DEMO_S, TESTS_S.
 set -u
 OUT=${OUT:-out/device}
-mkdir -p "$OUT/work"
+WORK=$(mktemp -d)              # the raw results, tarred into $OUT at the end
+mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 stamp() { echo "== $(date -u +%H:%M:%S) $*"; }
 
@@ -30,12 +31,12 @@ stamp() { echo "== $(date -u +%H:%M:%S) $*"; }
 
 stamp "hybrid" >"$OUT/hybrid.log"
 timeout "${HYBRID_S:-260}" python3 benchmarks/hybrid.py --device cuda --config 4096x8 \
-    --out "$OUT/work/hybrid" >>"$OUT/hybrid.log" 2>&1
+    --out "$WORK/hybrid" >>"$OUT/hybrid.log" 2>&1
 echo "exit $?" >>"$OUT/hybrid.log"
 
 stamp "demo" >"$OUT/demo.log"
 timeout "${DEMO_S:-130}" python3 -m chameleon_swap demo --device cuda --steps 20 \
-    --out "$OUT/work/demo" >>"$OUT/demo.log" 2>&1
+    --out "$WORK/demo" >>"$OUT/demo.log" 2>&1
 echo "exit $?" >>"$OUT/demo.log"
 
 stamp "tests" >"$OUT/tests.log"
@@ -43,5 +44,5 @@ TORCH_CUDA_SANITIZER=1 timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cach
     -m cuda tests >>"$OUT/tests.log" 2>&1
 echo "exit $?" >>"$OUT/tests.log"
 
-tar czf "$OUT/results.tgz" -C "$OUT/work" . 2>/dev/null
+tar czf "$OUT/results.tgz" -C "$WORK" . 2>/dev/null
 stamp "done"
