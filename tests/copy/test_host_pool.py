@@ -599,3 +599,30 @@ def test_ready_never_allocates_on_the_calling_thread_and_asks_the_background_one
     assert plain.ready(MiB) and not plain.ready(8 * MiB)
     plain.release(b)
     plain.close()
+
+
+def test_growth_ahead_stops_short_of_the_machines_floor_and_a_step_still_gets_its_memory():
+    # A machine of 1 GiB: growing ahead may leave it a quarter (256 MiB) available, no less. Two
+    # engines of one process, each within its own limit, once grew ahead past the machine's RAM
+    # on an H200 host and the kernel killed the process.
+    free = {"bytes": 280 * MiB}              # available before this arena takes any
+    pool = HostPool(2**30, pin=False, ahead=True, chunk_bytes=16 * MiB,
+                    machine_memory=lambda: (free["bytes"] - pool.reserved_bytes, 2**30))
+    try:
+        held = [pool.acquire(16 * MiB) for _ in range(4)]      # 64 MiB in use
+        for b in held:
+            pool.release(b)
+        pool.end_step()                                         # asks for twice that: 128 MiB
+        assert pool.wait_ahead(timeout=30)
+        assert pool.reserved_bytes <= 80 * MiB                  # the step's 64, a chunk at most
+        free["bytes"] = 2**30                                   # room again: it grows ahead
+        pool.end_step()
+        assert pool.wait_ahead(timeout=30)
+        assert pool.reserved_bytes >= 128 * MiB and pool.ahead_bytes > 0
+        free["bytes"] = 0                                       # none: a step's need still wins
+        held = [pool.acquire(16 * MiB) for _ in range(12)]      # 192 MiB, past what grew ahead
+        assert pool.in_use_bytes == 192 * MiB
+        for b in held:
+            pool.release(b)
+    finally:
+        pool.close()

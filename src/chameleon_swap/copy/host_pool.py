@@ -20,7 +20,9 @@ transition would reach into another module's counters.)
   steps used (which the trim then keeps). Measured on an H100 host (issue 19): a step that
   doubled its arena in one pinned allocation took 8.8-26 s where the plain step took 0.2-0.5 s,
   and with the memory pinned up front the same steps took 0.4-1.2 s. Growing in bounded chunks
-  also means no single allocation pins tens of GiB at once;
+  also means no single allocation pins tens of GiB at once. Growth ahead stops where it would
+  leave the machine less than ``AHEAD_FLOOR_FRACTION`` of its RAM available (other engines and
+  the rest of the process need it); a step then grows the arena itself, up to the limit;
 * when no free range fits and no background chunk is on its way, the acquiring thread allocates
   itself (the step waits): a slab of the next power of two of ``max(request, MIN_SLAB_BYTES,
   arena)`` bytes while that is at most ``chunk_bytes``, else ``max(request, chunk_bytes)``, so a
@@ -69,7 +71,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -80,6 +82,11 @@ MIN_SLAB_BYTES = 2**21       # the first slab: small arenas would otherwise grow
 TRIM_WINDOW = 32             # steps whose host use bounds the arena (see HostPool.end_step)
 GROW_CHUNK_BYTES = 2**28     # most one slab allocation takes (unless one request needs more)
 HEADROOM_FRACTION = 1.0      # free room kept ahead of use, as a fraction of the bytes in use
+# Growth ahead of use is a guess: it never takes the machine's available RAM below this share of
+# its total. On an H200 host (126 GiB) two engines of one process each grew ahead to twice a
+# 25 GiB step's use, within their own limits (half the RAM each), and the kernel killed the
+# process; growth a step needs still goes up to host_memory_limit.
+AHEAD_FLOOR_FRACTION = 0.25
 ALLOC_DELAY_ENV = "CHAMELEON_SWAP_TEST_HOST_ALLOC_DELAY"   # testing hook: seconds per GiB
 
 _open_pools: "weakref.WeakSet[HostPool]" = weakref.WeakSet()
@@ -201,8 +208,11 @@ class HostPool:
 
     def __init__(self, limit_bytes: int, *, pin: bool, reserve_bytes: int = 0,
                  chunk_bytes: int = GROW_CHUNK_BYTES, ahead: bool = False,
-                 alloc_delay_s_per_gib: Optional[float] = None) -> None:
+                 alloc_delay_s_per_gib: Optional[float] = None,
+                 machine_memory: Optional[Callable[[], tuple]] = None) -> None:
         self.limit_bytes = int(limit_bytes)
+        # () -> (available, total) bytes of the machine's RAM, either None where unknown.
+        self._machine_memory = machine_memory or _machine_memory
         self.pin = pin
         if chunk_bytes < ALIGN:
             raise ValueError(f"chunk_bytes must be at least {ALIGN} (one page); got {chunk_bytes}")
@@ -432,10 +442,12 @@ class HostPool:
                 if self._closed or not size:
                     self._grower = None
                     return
-            try:
-                slab = self._new_slab(size)
-            except BaseException:          # out of memory here: the acquiring thread will try
-                slab = None                # (and report a clear error if it cannot either)
+            slab = None
+            if self._machine_has_room(size):
+                try:
+                    slab = self._new_slab(size)
+                except BaseException:      # out of memory here: the acquiring thread will try
+                    slab = None            # (and report a clear error if it cannot either)
             with self._lock:
                 self._pending -= size
                 self._queued = 0
@@ -445,6 +457,13 @@ class HostPool:
                     self._add_locked(slab, ahead=True)
                 self._landed.notify_all()
                 self._schedule_locked()
+
+    def _machine_has_room(self, size: int) -> bool:
+        """Whether growing ``size`` bytes ahead leaves the machine ``AHEAD_FLOOR_FRACTION`` of
+        its RAM available (True where either figure is unknown)."""
+        available, total = self._machine_memory()
+        return available is None or total is None or \
+            available - size >= AHEAD_FLOOR_FRACTION * total
 
     def release(self, buf: HostBuffer) -> None:
         with self._lock:
@@ -591,6 +610,11 @@ class HostPool:
         self.clear()
         if self.pin:
             _empty_host_cache()
+
+
+def _machine_memory() -> tuple:
+    from ..config import available_host_memory, total_host_memory
+    return available_host_memory(), total_host_memory()
 
 
 def _empty_host_cache() -> None:
