@@ -17,7 +17,10 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")   # see conftest.py
 def test_the_four_legs_run_side_by_side_and_say_who_won():
     c = choice.run_choice(torch.device("cpu"), 4, tiny=True)
     assert list(c["legs"]) == list(choice.LEGS)
-    assert c["losses_identical"] is True
+    assert c["losses_identical"] is True and c["losses_exact"] is True
+    # The CPU's plain step repeats bit for bit: no second reference run, nothing to be within.
+    assert c["reference_max_diff"] is None and "reference_diff" not in c["steps"][0]
+    assert all(r["losses_max_diff"] == 0 for r in c["legs"].values())
     assert c["legs"]["none"]["ratio_vs_none"] == pytest.approx(1.0)
     for leg in ("swap only", "chameleon model="):
         assert c["legs"][leg]["fits_budget"] and c["legs"][leg]["peak_saved_bytes"] <= c["budget_bytes"]
@@ -55,3 +58,32 @@ def test_choice_steps_is_checked(capsys):
     with pytest.raises(SystemExit):
         cli.main(["demo", "--size", "tiny", "--steps", "3", "--choice-steps", "2"])
     assert "choice_steps must be 0" in capsys.readouterr().err
+
+
+def _steps(diffs: dict, reference: list) -> list:
+    """Rows as run_choice makes them: plain losses 1.0, each leg 1.0 + its difference."""
+    return [dict({leg: {"seconds": 0.1, "loss": 1.0 + diffs.get(leg, [0.0] * len(reference))[i],
+                        "peak": 1, "block_modes": [1, 0, 0]} for leg in choice.LEGS},
+                 step=i, length=8, reference_diff=ref) for i, ref in enumerate(reference)]
+
+
+def test_where_the_plain_step_differs_from_itself_a_leg_within_that_is_exact():
+    # On an H200 the demo's plain HF Llama step (bf16, SDPA) differed from a second run of itself
+    # after a few steps: a leg can be no more exact than that, and says so by how much.
+    peaks = {"none": {8: 4}, "gradient checkpointing": {8: 1}}
+    size = choice.SIZES["tiny"]
+    args = (peaks, 2, 4, None, False, size, torch.device("cpu"))
+    within = choice.summarize(_steps({"swap only": [0, 1e-4, 2e-4]}, [0, 1e-4, 3e-4]), *args)
+    assert within["reference_reproducible"] is False and within["reference_max_diff"] == 3e-4
+    assert within["legs"]["swap only"]["losses_within_reference"] is True
+    assert within["losses_exact"] is True
+    line = next(x for x in choice.table(within) if x.startswith("  losses"))
+    assert "not bitwise reproducible" in line and "swap only yes" in line
+    beyond = choice.summarize(_steps({"chameleon model=": [0, 0, 5e-4]}, [0, 1e-4, 3e-4]), *args)
+    assert beyond["legs"]["chameleon model="]["losses_within_reference"] is False
+    assert beyond["losses_exact"] is False
+    assert "chameleon model= NO" in next(x for x in choice.table(beyond) if "losses" in x)
+    # A reproducible reference leaves the bitwise check alone: a difference is a failure.
+    same = choice.summarize(_steps({"swap only": [0, 1e-6, 0]}, [0, 0, 0]), *args)
+    assert same["reference_reproducible"] is True and same["losses_exact"] is False
+    assert "  losses identical across the four: NO" in choice.table(same)

@@ -59,7 +59,7 @@ def run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
     choice = summary.get("choice") or {}
-    choice_ok = choice.get("losses_identical", True) and all(
+    choice_ok = choice.get("losses_exact", True) and all(
         r["fits_budget"] for k, r in (choice.get("legs") or {}).items()
         if k in ("swap only", "chameleon model="))
     return 0 if summary["budget_held"] and summary["losses_identical"] and choice_ok else 1
