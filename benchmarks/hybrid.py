@@ -222,13 +222,25 @@ def main(argv=None) -> int:
             for e in engines.values():
                 e.close()
             results[tag] = summarize(rec, modes, engines, budget)
-            # Each budget's medians as it ends: a run stopped early (a short lease) keeps them.
+            # Each budget's results as it ends: a run stopped early (a short lease, a crash)
+            # keeps the budgets it finished, in the file and in the log.
             print(f"{tag}: " + ", ".join(
                 f"{m} {r['ratio_vs_none']:.2f}x" + (f" {tuple(r['block_modes'])}"
                                                    if r.get("block_modes") else "")
                 for m, r in results[tag].items()), flush=True)
-    env = C.environment(device)
-    payload = {"benchmark": "hybrid", "environment": env,
+            path, payload = save(a, cfg, device, lengths, natural, losses_equal, results)
+    env = payload["environment"]
+    md = markdown(payload)
+    if C.have_matplotlib():
+        plot(results, path.with_suffix(".png"), f"{a.config} on {env['device_name']}")
+    print(md)
+    print(f"wrote {path}")
+    return 0 if losses_equal else 1
+
+
+def save(a, cfg, device, lengths, natural: int, losses_equal: bool, results: dict):
+    """Write what has run so far (JSON and markdown); returns (path, payload)."""
+    payload = {"benchmark": "hybrid", "environment": C.environment(device),
                "config": {"model": "LlamaForCausalLM", "hidden": cfg.hidden_size,
                           "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,
                           "ffn": cfg.intermediate_size, "vocab": cfg.vocab_size,
@@ -239,15 +251,9 @@ def main(argv=None) -> int:
                           "emulated_link": a.emulate_link},
                "natural_activation_peak_bytes": natural,
                "losses_bitwise_equal_across_modes": bool(losses_equal), "results": results}
-    md = markdown(payload)
     name = "hybrid" if a.emulate_link is None else "hybrid-emulated"
     name += f"-{a.label}" if a.label else ""
-    path = C.write_results(name, device, payload, md, a.out)
-    if C.have_matplotlib():
-        plot(results, path.with_suffix(".png"), f"{a.config} on {env['device_name']}")
-    print(md)
-    print(f"wrote {path}")
-    return 0 if losses_equal else 1
+    return C.write_results(name, device, payload, markdown(payload), a.out), payload
 
 
 def metered_peak(step, device) -> int:

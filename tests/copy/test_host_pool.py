@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import types
 
 import pytest
 import torch
@@ -626,3 +627,22 @@ def test_growth_ahead_stops_short_of_the_machines_floor_and_a_step_still_gets_it
             pool.release(b)
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("present", [("accelerator",), ("_accelerator_emptyHostCache",),
+                                     ("_host_emptyCache",), ()])
+def test_the_pinned_cache_is_emptied_under_whichever_name_this_torch_gives_it(monkeypatch,
+                                                                              present):
+    # torch 2.13 names it torch.accelerator.empty_host_cache (and torch._C's
+    # _accelerator_emptyHostCache); older versions only torch._C._host_emptyCache.
+    calls = []
+    accelerator = types.SimpleNamespace()
+    if "accelerator" in present:
+        accelerator.empty_host_cache = lambda: calls.append("accelerator")
+    monkeypatch.setattr(torch, "accelerator", accelerator)
+    for name in ("_accelerator_emptyHostCache", "_host_emptyCache"):
+        monkeypatch.delattr(torch._C, name, raising=False)
+        if name in present:
+            monkeypatch.setattr(torch._C, name, lambda n=name: calls.append(n), raising=False)
+    assert host_pool._empty_host_cache() is bool(present)
+    assert calls == list(present)

@@ -617,7 +617,18 @@ def _machine_memory() -> tuple:
     return available_host_memory(), total_host_memory()
 
 
-def _empty_host_cache() -> None:
-    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
-    if empty is not None:
-        empty()
+def _empty_host_cache() -> bool:
+    """Empty torch's cache of freed pinned blocks; False where this torch offers no way to.
+    The public ``torch.accelerator.empty_host_cache`` is recent (torch 2.13 has it; its torch._C
+    name too), and older versions have the operation only under a private name. On the project's
+    H200 run (torch 2.11) two closed engines' pinned memory (about 80 GiB) did not come back
+    until the process ended, and the next engines' default limit (half the RAM available) fell
+    to 11 GiB; this torch having no public call is the likely cause, not a verified one."""
+    accelerator = getattr(torch, "accelerator", None)
+    for fn in (getattr(accelerator, "empty_host_cache", None),
+               getattr(torch._C, "_accelerator_emptyHostCache", None),
+               getattr(torch._C, "_host_emptyCache", None)):
+        if callable(fn):
+            fn()
+            return True
+    return False
