@@ -98,3 +98,6 @@ def steady_planning(monkeypatch, tick: float = 50e-6) -> None:
     monkeypatch.setattr(keep_views, "corrected", lambda *a, **k: None)
     # Nor is planning again rationed by the wall time the steps ran (may_replan).
     monkeypatch.setattr(block_modes, "PLANNING_SHARE", float("inf"))
+    # Nor do plans made from the first step's times run their fallback until a later step is
+    # timed: that guards against the first step's warm-up on a real clock, which this has not.
+    monkeypatch.setattr(block_modes, "FIRST_PLANS_FALL_BACK", False)

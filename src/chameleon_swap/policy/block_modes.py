@@ -22,6 +22,8 @@ step's size.
   first time a plan recomputes a block fully and selective was never measured, one such block runs
   selective for one step; its held bytes and recompute time, against its keep-view figures, give
   the ratios used for every block of the model from then on, and every key is planned again.
+* The first plans (from the first step's times, a warm-up) run their fallback until a later
+  step is timed (``mix_runs.until_warm``); then every size is planned again.
 * The guard holds the budget underneath whatever the plan says: a plan made for another size
   costs speed, never the budget.
 * Host room (``host_limit``: ``host_memory_limit``). Plans copy out at most what the host arena
@@ -38,17 +40,17 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 from ..copy.host_pool import ALIGN
-from ..planning.modes import Block, HybridPlan, plan_hybrid, working_set
+from ..planning.modes import HybridPlan, plan_hybrid, working_set
 from ..planning.signatures import step_size
-from ..planning.timeline import Profile
 from . import keep_views
 from .checks import MISS     # a mix that ran this much slower than its plan said: plan again
 from .keep_views import KeepView, scaled
-from .mix_runs import MixRuns, Trials, no_host_room, no_mix_fits
+from .mix_runs import MixRuns, Trials, no_host_room, no_mix_fits, until_warm
 
 REPLAN_BUDGET_CHANGE = 0.05     # a budget that moved by more than this re-plans the key
 REPLAN_MOVE_CHANGE = 0.3       # so does a cost of a move that changed by more than this
 PLANNING_SHARE = 0.10           # planning again takes at most this share of the steps' time
+FIRST_PLANS_FALL_BACK = True    # plans from the first step's times run their fallback (_plan_key)
 
 
 @dataclass
@@ -90,6 +92,7 @@ class BlockModes:
         self.put_off: set = set()                       # keys whose replan waits for its share
         self.trials = Trials()                          # per key: its fallback's trial
         self.timed: dict = {}                           # key -> timed steps' compute (keep_views)
+        self.warm = not FIRST_PLANS_FALL_BACK          # compute timed past the first step
         self.begin_step(None)
 
     # ------------------------------------------------------------------ during the step
@@ -250,11 +253,13 @@ class BlockModes:
         self._learn_run(profile, calls)
         if profile.detailed and all(c.mode == "keep" for c in calls):
             self._learn_view(profile, calls)
+            self._warmed(sum(self.visits.values()) > 1)
         elif profile.detailed:
             view = self.views.get(self.key) or self._view_near(self.input_bytes)
             timed = keep_views.timed_compute(profile, calls)
             now = timed and keep_views.settled(self.timed.setdefault(self.key, []), timed)
             better = view and now and keep_views.corrected(view, now, self.input_bytes)
+            self._warmed(bool(view and now))
             if better:
                 self.views[self.key] = better
                 self.compute_scale.pop(self.key, None)   # the view holds measured compute now
@@ -272,6 +277,12 @@ class BlockModes:
             self._make(self.key)
         elif not plan.measured and self.key in self.views:
             self.replan(self.key, 1.0)   # its own keep view now: an improvement
+
+    def _warmed(self, now: bool) -> None:
+        """Compute timed past the first step (``now``), the first time: plan every size again."""
+        if now and not self.warm:
+            self.warm = True
+            self.stale.update(self.plans)
 
     def _learn_run(self, profile, calls: list) -> None:
         """The step's time against the mix it ran (its blocks' modes as run: a probe, a block
@@ -353,7 +364,8 @@ class BlockModes:
         d2h, h2d = self.bandwidth_fn()
         prof = replace(view.profile, d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d,
                        move_seconds=self.move_fn())
-        blocks = [self._with_selective(prof, blk) for blk in view.blocks]
+        blocks = [keep_views.with_ratios(prof, blk, self.sel_bytes_ratio, self.sel_seconds_ratio,
+                                         self.full_seconds_ratio) for blk in view.blocks]
         # Host room: the limit less a page per span (every host buffer takes whole pages).
         host = (None if self.host_limit is None
                 else max(0, self.host_limit - ALIGN * len(prof.spans)))
@@ -362,6 +374,7 @@ class BlockModes:
                if old is not None and old.key == key else None)
         hp = plan_hybrid(prof, blocks, self.budget - self.margin.get(key, 0), host_limit=host,
                          measured=self.measured(key, view.block_ids), incumbent=now)
+        hp = until_warm(hp, self.warm)
         modes = dict(zip(view.block_ids, hp.modes))
         self.plans[key] = ModePlan(modes, dict(zip(view.block_ids, hp.working_set)),
                                    view.input_bytes, self.budget, measured, hp, key=key,
@@ -375,23 +388,10 @@ class BlockModes:
             self.warned_host = True
             warnings.warn(no_host_room(self.host_limit, hp), RuntimeWarning, stacklevel=2)
         if (not self._probed and self._probe is None and self.sel_bytes_ratio is None
-                and "full" in hp.modes):
+                and "full" in hp.modes and self.warm):     # (not for a warm-up fallback's)
             # The last full block in forward order: its kept outputs are held the shortest
             # (its backward comes first), and then only as part of its working set.
             self._probe = max(b for b, m in modes.items() if m == "full")
-
-    def _with_selective(self, prof: Profile, blk: Block) -> Block:
-        """The block with what its recomputes were measured to cost (``forward_seconds`` is
-        what a full recompute repeats)."""
-        if self.sel_bytes_ratio is not None:
-            kept = working_set(prof, blk)
-            blk = replace(blk, selective_bytes=int(kept * self.sel_bytes_ratio),
-                          selective_seconds=blk.forward_seconds * self.sel_seconds_ratio)
-        if self.full_seconds_ratio is not None:
-            blk = replace(blk, forward_seconds=blk.forward_seconds * self.full_seconds_ratio,
-                          kept_seconds=blk.forward_seconds)
-        return blk
-
 
 def _moved(planned, now, share: float) -> bool:
     return abs(now - planned) > share * max(1e-12 if isinstance(planned, float) else 1, planned)

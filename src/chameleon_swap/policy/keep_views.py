@@ -160,3 +160,18 @@ def selective_ratios(view: KeepView, call, input_bytes: int) -> Optional[tuple]:
         return None
     return call.selective_bytes / kept, call.recompute_seconds / fwd
 
+
+def with_ratios(prof: Profile, blk: Block, sel_bytes: Optional[float],
+                sel_seconds: Optional[float], full: Optional[float]) -> Block:
+    """The block with what its recomputes were measured to cost, as ratios of its keep-view
+    figures (None: not measured): selective's held bytes and recompute time, and a full
+    recompute's time (``forward_seconds`` is what a full recompute repeats, ``kept_seconds``
+    the kept forward)."""
+    if sel_bytes is not None:
+        kept = working_set(prof, blk)
+        blk = replace(blk, selective_bytes=int(kept * sel_bytes),
+                      selective_seconds=blk.forward_seconds * sel_seconds)
+    if full is not None:
+        blk = replace(blk, forward_seconds=blk.forward_seconds * full,
+                      kept_seconds=blk.forward_seconds)
+    return blk

@@ -91,6 +91,18 @@ class Trials:
         plan, ran, _ = self.by_key[key]
         return plan if seconds > ran * (1 - SWITCH_GAIN) else None
 
+def until_warm(hp, warm: bool):
+    """The mix to run of mode plan ``hp``: where compute was timed on the engine's first step
+    alone (not ``warm``) and the plan copies or recomputes selectively, its fallback (kept and
+    full blocks, nothing moved), where it has one. A first step runs slow (warm-up: on an H200
+    the demo's first plain step ran 2.6x its later time); planned from it, copies looked
+    hidden, and the engine kept every block and moved the rest for ten steps at 3-9x
+    checkpointing's step time."""
+    if warm or hp.fallback is None or not (hp.predicted.moved_bytes or "selective" in hp.modes):
+        return hp
+    return hp.fallback
+
+
 def no_mix_fits(budget: int, hp) -> str:
     """The warning for a mode plan (``hp``) whose mix, the smallest found, exceeds ``budget``."""
     k, sel, full = hp.counts()
