@@ -16,7 +16,9 @@ ones of 347 ms, and the size left the mix).
 
 A plan's fallback (``HybridPlan.fallback``: the best other mix that moves nothing) is run
 against the mix the plan chose once per size (``Trials``); after its second step the faster
-stays, by more than ``SWITCH_GAIN`` (one step's time varies by 10-30% on a shared CPU).
+stays, by more than ``SWITCH_GAIN`` (one step's time varies by 10-30% on a shared CPU). Before
+any step after the engine's first was timed, a plan that copies or recomputes selectively runs
+its fallback outright (``until_warm``).
 
 The warnings a mode plan gives (no mix fits the budget, or the host room) are worded here too.
 """
