@@ -514,6 +514,30 @@ def test_plans_from_the_first_steps_times_run_their_fallback_until_a_later_step_
     assert modes.plans[5].hybrid.predicted.moved_bytes > 0
 
 
+def test_a_first_plans_stand_in_is_not_kept_as_the_mix_the_size_runs():
+    # A size keeps the mix it runs unless another is predicted 10% faster; the fallback that
+    # stood in for a first plan was never chosen, so the plan made once warm is the search's
+    # own even where it is only slightly faster (recomputes cheap here: within 10%).
+    from chameleon_swap.planning.modes import Block, SWITCH_GAIN, plan_hybrid
+    from chameleon_swap.policy.keep_views import KeepView
+    modes, _, _, hp = _scripted_modes()
+    cheap = [Block(2 * b, 2 * b + 2, 1e-4, 2**18) for b in range(4)]
+    budget = modes.plans.pop(5).budget
+    best = plan_hybrid(hp.profile, cheap, budget)
+    stand_in = best.fallback
+    assert best.predicted.moved_bytes and stand_in is not None
+    assert best.predicted.total_seconds > (1 - SWITCH_GAIN) * stand_in.predicted.total_seconds
+    assert plan_hybrid(hp.profile, cheap, budget, incumbent=stand_in.modes).modes == \
+        stand_in.modes                          # as an incumbent, it would have stayed
+    modes.views[5] = KeepView(hp.profile, cheap, [0, 1, 2, 3], 1000)
+    modes.budget, modes.input_bytes = budget, 1000
+    modes._make(5)
+    assert modes.plans[5].stand_in and modes.plans[5].hybrid.modes == stand_in.modes
+    modes._warmed(True)
+    modes._make(5)
+    assert not modes.plans[5].stand_in and modes.plans[5].hybrid.modes == best.modes
+
+
 def test_the_first_plans_fall_back_and_are_made_again_on_the_emulated_link():
     # The real clock: the steps after the first run the first plan's fallback (nothing moved)
     # until one of them is timed in detail (the second runs on a swap plan made from estimates,

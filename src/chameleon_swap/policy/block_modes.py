@@ -64,6 +64,7 @@ class ModePlan:
     key: Optional[int] = None   # the step size it was made for
     replanned: bool = False     # made again after its predictions missed (not yet reported)
     move_seconds: float = 0.0   # the cost of a move it was planned with
+    stand_in: bool = False      # runs its plan's fallback until a later step is timed
 
 
 class BlockModes:
@@ -370,15 +371,17 @@ class BlockModes:
         host = (None if self.host_limit is None
                 else max(0, self.host_limit - ALIGN * len(prof.spans)))
         old = self.plans.get(key)
+        # The mix the size runs stays unless another is clearly faster; a stand-in for a first
+        # plan (``until_warm``) was never chosen, and does not.
         now = (tuple(old.modes.get(b, "keep") for b in view.block_ids)
-               if old is not None and old.key == key else None)
+               if old is not None and old.key == key and not old.stand_in else None)
         hp = plan_hybrid(prof, blocks, self.budget - self.margin.get(key, 0), host_limit=host,
                          measured=self.measured(key, view.block_ids), incumbent=now)
-        hp = until_warm(hp, self.warm)
+        chosen, hp = hp, until_warm(hp, self.warm)
         modes = dict(zip(view.block_ids, hp.modes))
         self.plans[key] = ModePlan(modes, dict(zip(view.block_ids, hp.working_set)),
                                    view.input_bytes, self.budget, measured, hp, key=key,
-                                   move_seconds=prof.move_seconds)
+                                   move_seconds=prof.move_seconds, stand_in=hp is not chosen)
         pred = hp.predicted
         fits = pred.peak_bytes <= self.budget and not pred.forced_offloads
         if not fits and self.budget not in self.warned_budgets:
