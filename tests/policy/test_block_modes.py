@@ -520,7 +520,7 @@ def test_a_first_plans_stand_in_is_not_kept_as_the_mix_the_size_runs():
     # own even where it is only slightly faster (recomputes cheap here: within 10%).
     from chameleon_swap.planning.modes import Block, SWITCH_GAIN, plan_hybrid
     from chameleon_swap.policy.keep_views import KeepView
-    modes, _, _, hp = _scripted_modes()
+    modes, step, _, hp = _scripted_modes()
     cheap = [Block(2 * b, 2 * b + 2, 1e-4, 2**18) for b in range(4)]
     budget = modes.plans.pop(5).budget
     best = plan_hybrid(hp.profile, cheap, budget)
@@ -533,6 +533,9 @@ def test_a_first_plans_stand_in_is_not_kept_as_the_mix_the_size_runs():
     modes.budget, modes.input_bytes = budget, 1000
     modes._make(5)
     assert modes.plans[5].stand_in and modes.plans[5].hybrid.modes == stand_in.modes
+    for _ in range(3):                          # its steps (the first, slow ones) rank nothing
+        assert step(0.5) == stand_in.modes
+    assert modes.measured(5, [0, 1, 2, 3]) == {}
     modes._warmed(True)
     modes._make(5)
     assert not modes.plans[5].stand_in and modes.plans[5].hybrid.modes == best.modes
@@ -541,10 +544,11 @@ def test_a_first_plans_stand_in_is_not_kept_as_the_mix_the_size_runs():
 def test_the_first_plans_fall_back_and_are_made_again_on_the_emulated_link():
     # The real clock: the steps after the first run the first plan's fallback (nothing moved)
     # until one of them is timed in detail (the second runs on a swap plan made from estimates,
-    # which asks for a timed step next), and the size is planned again for the step after.
+    # which asks for a timed step next), and the size is planned again (for the step after,
+    # or later where planning has spent its share of the steps' time: a loaded machine).
     torch.manual_seed(0)
     model = CheapNet()
-    batches = [(randn(4, 2048, 64, seed=i),) for i in range(5)]
+    batches = [(randn(4, 2048, 64, seed=i),) for i in range(6)]
     warm = []
 
     def between(eng):
@@ -558,4 +562,4 @@ def test_the_first_plans_fall_back_and_are_made_again_on_the_emulated_link():
     assert 1 <= w <= 2, (warm, runs)
     for s in history[1:w + 1]:
         assert s.offloaded_bytes == 0 and s.block_modes[2] > 0, runs
-    assert history[w + 1].plan_source == "replanned", runs
+    assert "replanned" in [s.plan_source for s in history[w + 1:]], runs

@@ -289,8 +289,8 @@ class BlockModes:
         """The step's time against the mix it ran (its blocks' modes as run: a probe, a block
         run full for host room or kept for its size make another mix; see ``mix_runs``)."""
         plan = self.plan
-        if plan is None or plan.key != self.key or not profile.step_seconds:
-            return
+        if plan is None or plan.key != self.key or not profile.step_seconds or plan.stand_in:
+            return              # (a stand-in runs in the first, slow steps: it ranks nothing)
         mix, seen, n = self.runs.add(self.key, calls, profile.step_seconds)
         planned = tuple(sorted((b, plan.modes.get(b, "keep")) for b, _ in mix))
         if n < 2 or mix != planned:  # (a mix's first step ran on a stand-in swap plan)
