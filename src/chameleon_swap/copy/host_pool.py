@@ -75,7 +75,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..config import format_bytes
+from ..config import available_host_memory, format_bytes, total_host_memory
 
 ALIGN = 4096                 # page size: every buffer starts on and spans whole pages
 MIN_SLAB_BYTES = 2**21       # the first slab: small arenas would otherwise grow in many steps
@@ -613,7 +613,6 @@ class HostPool:
 
 
 def _machine_memory() -> tuple:
-    from ..config import available_host_memory, total_host_memory
     return available_host_memory(), total_host_memory()
 
 

@@ -371,8 +371,7 @@ class BlockModes:
         host = (None if self.host_limit is None
                 else max(0, self.host_limit - ALIGN * len(prof.spans)))
         old = self.plans.get(key)
-        # The mix the size runs stays unless another is clearly faster; a stand-in for a first
-        # plan (``until_warm``) was never chosen, and does not.
+        # The mix the size runs stays unless another is clearly faster; a stand-in never does.
         now = (tuple(old.modes.get(b, "keep") for b in view.block_ids)
                if old is not None and old.key == key and not old.stand_in else None)
         hp = plan_hybrid(prof, blocks, self.budget - self.margin.get(key, 0), host_limit=host,
@@ -395,6 +394,7 @@ class BlockModes:
             # The last full block in forward order: its kept outputs are held the shortest
             # (its backward comes first), and then only as part of its working set.
             self._probe = max(b for b, m in modes.items() if m == "full")
+
 
 def _moved(planned, now, share: float) -> bool:
     return abs(now - planned) > share * max(1e-12 if isinstance(planned, float) else 1, planned)

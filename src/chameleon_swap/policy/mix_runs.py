@@ -93,6 +93,7 @@ class Trials:
         plan, ran, _ = self.by_key[key]
         return plan if seconds > ran * (1 - SWITCH_GAIN) else None
 
+
 def until_warm(hp, warm: bool):
     """The mix to run of mode plan ``hp``: where compute was timed on the engine's first step
     alone (not ``warm``) and the plan copies or recomputes selectively, its fallback (kept and
