@@ -109,8 +109,14 @@ def run_choice(device: torch.device, steps: int,
     # from itself is as exact as the GPU allows. On the CPU the plain step is bitwise repeatable.
     again = (AGAIN,) if device.type == "cuda" else ()
     models = {leg: copy.deepcopy(base) for leg in LEGS + again}
-    models["gradient checkpointing"].gradient_checkpointing_enable(
-        gradient_checkpointing_kwargs={"use_reentrant": False})
+    gc_model = models["gradient checkpointing"]
+    # transformers 5.24 calls gradient_checkpointing_enable deprecated (gone in v6) for this name.
+    if hasattr(gc_model, "activation_checkpointing_enable"):
+        gc_model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        gc_model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
     emulated = {} if link is None else {"emulate_link": link}
     engines = {"swap only": Chameleon(budget, device=device, **emulated),
                "chameleon model=": Chameleon(budget, device=device,
