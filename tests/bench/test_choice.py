@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")   # see conftest.py
 
 
+@pytest.mark.filterwarnings("error::FutureWarning")   # (a deprecated checkpointing call)
 def test_the_four_legs_run_side_by_side_and_say_who_won():
     c = choice.run_choice(torch.device("cpu"), 4, tiny=True)
     assert list(c["legs"]) == list(choice.LEGS)
