@@ -414,13 +414,15 @@ def test_a_closed_engine_gives_its_pinned_memory_back_to_the_machine():
     gc.collect()
     before = available_host_memory()
     eng = engine(0, host_memory_reserve="2GiB")
-    assert eng._pool.wait_reserve(timeout=120)
-    train_step(model, batch, eng)
-    model.zero_grad(set_to_none=True)
-    assert eng.last_step.offloaded_tensors > 0
-    held = before - available_host_memory()
-    assert held > 1.5 * GiB, held                        # the reserve really is pinned
-    eng.close()
+    try:
+        assert eng._pool.wait_reserve(timeout=120)
+        train_step(model, batch, eng)
+        model.zero_grad(set_to_none=True)
+        assert eng.last_step.offloaded_tensors > 0
+        held = before - available_host_memory()
+        assert held > 1.5 * GiB, held                    # the reserve really is pinned
+    finally:
+        eng.close()
     del eng
     gc.collect()
     assert before - available_host_memory() < GiB // 2, (before, available_host_memory())
