@@ -84,6 +84,10 @@ def test_where_the_plain_step_differs_from_itself_a_leg_within_that_is_exact():
     assert beyond["legs"]["chameleon model="]["losses_within_reference"] is False
     assert beyond["losses_exact"] is False
     assert "chameleon model= NO" in next(x for x in choice.table(beyond) if "losses" in x)
+    # A NaN loss is never within, wherever it falls among the steps (max alone would drop it).
+    nan = choice.summarize(_steps({"swap only": [0, 0, float("nan")]}, [0, 1e-4, 3e-4]), *args)
+    assert nan["legs"]["swap only"]["losses_within_reference"] is False
+    assert nan["losses_exact"] is False
     # A reproducible reference leaves the bitwise check alone: a difference is a failure.
     same = choice.summarize(_steps({"swap only": [0, 1e-6, 0]}, [0, 0, 0]), *args)
     assert same["reference_reproducible"] is True and same["losses_exact"] is False

@@ -30,6 +30,7 @@ import torch
 
 from ..config import format_bytes
 from .harness import _sync
+from .records import nan_max
 
 LEGS = ("none", "gradient checkpointing", "swap only", "chameleon model=")
 AGAIN = "none, again"           # CUDA: the plain step a second time, its own reproducibility
@@ -158,7 +159,7 @@ def run_choice(device: torch.device, steps: int,
                 advance()
             losses_identical &= all(torch.equal(losses["none"], v) for v in losses.values())
             if again:
-                row["reference_diff"] = (again_loss - losses["none"]).abs().item()
+                row["reference_diff"] = abs(again_loss.item() - row["none"]["loss"])
             per_step.append(row)
     finally:
         for eng in engines.values():
@@ -190,12 +191,12 @@ def summarize(per_step: list, peaks: dict, budget: int, natural: int, link: Opti
                      "peak_saved_bytes": peak, "fits_budget": peak <= budget}
         if leg == "chameleon model=":
             legs[leg]["block_modes"] = [r[leg]["block_modes"] for r in per_step]
-        legs[leg]["losses_max_diff"] = max(abs(r[leg]["loss"] - r["none"]["loss"])
-                                           for r in per_step)
+        legs[leg]["losses_max_diff"] = nan_max(abs(r[leg]["loss"] - r["none"]["loss"])
+                                               for r in per_step)
     # As the bench harness does: where the plain step differs from itself (CUDA), a leg is as
     # exact as it can be when it differs from the plain step by no more than that.
     ref = [r["reference_diff"] for r in per_step if "reference_diff" in r]
-    reference_max_diff = max(ref) if ref else None
+    reference_max_diff = nan_max(ref) if ref else None
     for leg in LEGS:
         legs[leg]["losses_within_reference"] = (
             None if not reference_max_diff else legs[leg]["losses_max_diff"] <= reference_max_diff)

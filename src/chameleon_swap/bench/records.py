@@ -40,10 +40,10 @@ def max_loss_diff(a: list, b: list) -> Optional[float]:
     have different lengths (a run that stopped) or no steps. NaN where a loss is NaN."""
     if len(a) != len(b) or not a:
         return None
-    return _nan_max(float((x.double() - y.double()).abs().max()) for x, y in zip(a, b))
+    return nan_max(float((x.double() - y.double()).abs().max()) for x, y in zip(a, b))
 
 
-def _nan_max(xs) -> float:
+def nan_max(xs) -> float:
     """max that returns NaN when any value is NaN (Python's max depends on the order)."""
     xs = list(xs)
     return math.nan if any(math.isnan(x) for x in xs) else max(xs)
@@ -114,7 +114,7 @@ def _record(cfg, workload, run, budget, budget_bytes, natural, schedule, timed, 
         diffs = [max_loss_diff(run.losses, none.losses)]
         if run.metered_losses:
             diffs.append(max_loss_diff(run.metered_losses, none.metered_losses))
-        max_diff = None if None in diffs else _nan_max(diffs)
+        max_diff = None if None in diffs else nan_max(diffs)
         if reproducible is False:
             # Not NaN-safe by accident: a NaN difference compares False, so it is never within.
             within = max_diff is not None and max_diff <= reference_diff
