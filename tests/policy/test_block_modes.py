@@ -541,18 +541,25 @@ def test_a_first_plans_stand_in_is_not_kept_as_the_mix_the_size_runs():
     assert not modes.plans[5].stand_in and modes.plans[5].hybrid.modes == best.modes
 
 
-def test_the_first_plans_fall_back_and_are_made_again_on_the_emulated_link():
+def test_the_first_plans_fall_back_and_are_made_again_on_the_emulated_link(monkeypatch):
     # The real clock: the steps after the first run the first plan's fallback (nothing moved)
     # until one of them is timed in detail (the second runs on a swap plan made from estimates,
     # which asks for a timed step next), and the size is planned again (for the step after,
-    # or later where planning has spent its share of the steps' time: a loaded machine).
+    # or later where planning has spent its share of the steps' time: a loaded machine). The
+    # planner is told the link is fast (a bandwidth measured earlier in the process could
+    # otherwise make its first choice all full, which needs no stand-in), so its first plan
+    # keeps and copies.
+    monkeypatch.setattr(cs.Chameleon, "_bandwidth", lambda self: (1e12, 1e12))
     torch.manual_seed(0)
     model = CheapNet()
     batches = [(randn(4, 2048, 64, seed=i),) for i in range(6)]
-    warm = []
+    warm, stand_in, ranked = [], [], []
 
     def between(eng):
-        warm.append(eng._policy.modes.warm)
+        m = eng._policy.modes
+        warm.append(m.warm)
+        stand_in.append(m.plan is not None and m.plan.stand_in)   # the plan the step ran
+        ranked.append(sum(m.runs.steps.values()))                 # steps kept against a mix
     history, _, budget = compare(model, batches, 0.4, model_kwarg=True, emulate_link="1GB/s",
                                  min_tensor_bytes=2**16, between=between)
     runs = [(s.plan_source, s.block_modes, s.offloaded_bytes) for s in history]
@@ -563,3 +570,7 @@ def test_the_first_plans_fall_back_and_are_made_again_on_the_emulated_link():
     for s in history[1:w + 1]:
         assert s.offloaded_bytes == 0 and s.block_modes[2] > 0, runs
     assert "replanned" in [s.plan_source for s in history[w + 1:]], runs
+    # The stand-in's steps (the engine's first, slow ones) are kept against no mix; the steps
+    # after it, on a plan the search chose, are.
+    assert all(stand_in[1:w + 1]) and ranked[w] == 0, (stand_in, ranked, runs)
+    assert ranked[-1] == sum(not x for x in stand_in[w + 1:]) > 0, (stand_in, ranked, runs)
