@@ -428,6 +428,25 @@ def test_a_closed_engine_gives_its_pinned_memory_back_to_the_machine():
     assert before - available_host_memory() < GiB // 2, (before, available_host_memory())
 
 
+def test_pinning_in_the_step_is_timed_as_a_wait_not_as_compute(monkeypatch):
+    """An arena growing on the step's thread leaves the compute stream idle; the slots are timed
+    by the device, so that gap read as compute (on the H100 a first step that pinned 8 GiB
+    read as 16 s of compute). ``host_block`` times it with events as a wait instead. The
+    allocator is slowed on purpose (the testing hook), so the gap dwarfs the tiny model's
+    kernels."""
+    from chameleon_swap.copy import host_pool
+    monkeypatch.setenv(host_pool.ALLOC_DELAY_ENV, "40")          # 2 MiB slab: 78 ms
+    model = llama()
+    batch = lm_batches(model, [16])[0]
+    with engine(0) as eng:
+        train_step(model, batch, eng)
+        model.zero_grad(set_to_none=True)
+        p, s = eng._profiler.last_profile, eng.last_step
+    assert p.detailed and s.offloaded_tensors > 0 and s.host_wait_seconds > 0.05, s
+    assert sum(p.waits) > 0.5 * s.host_wait_seconds, (p.waits, s.host_wait_seconds)
+    assert sum(p.compute) < s.step_seconds - 0.5 * s.host_wait_seconds, (p.compute, s)
+
+
 def test_pinned_pool_is_reused_across_steps(monkeypatch):
     """LESSONS 8: host buffers are ranges of pinned slabs kept by the arena, and the next step of
     the same shape takes them from the arena: no fresh pinned allocation at all after the first

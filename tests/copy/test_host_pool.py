@@ -646,3 +646,19 @@ def test_the_pinned_cache_is_emptied_under_whichever_name_this_torch_gives_it(mo
             monkeypatch.setattr(torch._C, name, lambda n=name: calls.append(n), raising=False)
     assert host_pool._empty_host_cache() is bool(present)
     assert calls == list(present)
+
+
+def test_would_block_says_when_an_acquire_would_wait_and_changes_nothing(monkeypatch):
+    """``would_block``: the executor times such an acquire as a wait (``host_block``). Plain RAM
+    never blocks; a slow arena does when no slab has room, and asking grows nothing."""
+    assert not HostPool(2**30, pin=False).would_block(MiB)
+    slow = HostPool(2**30, pin=False, alloc_delay_s_per_gib=1e-9)
+    assert slow.would_block(MiB) and slow.reserved_bytes == 0 and slow._pending == 0
+    buf = slow.acquire(MiB)                                 # grows a 2 MiB slab
+    assert not slow.would_block(MiB)                        # the other half is free
+    assert slow.would_block(4 * MiB)
+    slow.release(buf)
+    assert not slow.would_block(2 * MiB)
+    late = HostPool(64 * MiB, pin=False, reserve_bytes=8 * MiB, alloc_delay_s_per_gib=32)
+    assert late.would_block(MiB)                            # the reserve is still being made
+    assert late.wait_reserve(timeout=30) and not late.would_block(MiB)

@@ -339,3 +339,28 @@ def test_a_stalled_step_plans_from_its_compute_not_its_waits_on_the_emulated_lin
     assert fwd1 < 1.6 * fwd0 and bwd1 < 1.6 * bwd0
     assert all(b1 < 2 * b0 for b0, b1 in zip(blocks0, blocks1)), (blocks0, blocks1)
     assert blocks1[0] == pytest.approx(blocks0[0], rel=0.25)   # before any wait: the same
+
+
+def test_an_arena_growing_in_the_step_is_a_wait_not_compute_nor_a_move(monkeypatch):
+    """The first step of an engine with a cold host arena allocates its buffers on the step's
+    thread, on CUDA by pinning (about a second per GiB on the project's H100: a first step
+    that pinned 8 GiB there read as 16 s of compute, and the plans made from it predicted
+    12-50 s for steps that ran in 0.3-0.6 s). That time is a wait: the copy engine counts it
+    among the step's waits (``host_block``), out of the slot's compute and out of the moves.
+    On the CPU the allocator is slowed on purpose (the testing hook) and the real clock runs."""
+    from chameleon_swap.copy import host_pool
+    from _models import tiny_llama, tokens
+    from _helpers import natural_peak, train_step
+    monkeypatch.setenv(host_pool.ALLOC_DELAY_ENV, "40")          # 40 s per GiB: 2 MiB = 78 ms
+    m = tiny_llama(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=256)
+    batch = tokens(m.config.vocab_size, 2, 128, 0)
+    peak = natural_peak(m, batch)
+    with cs.Chameleon(int(peak * 0.25), device="cpu", min_tensor_bytes=0) as eng:
+        train_step(m, batch, eng)
+        p, s = eng._profiler.last_profile, eng.last_step
+    assert p.detailed and s.offloaded_tensors > 0
+    assert s.host_wait_seconds > 0.05, s             # it grew on the step's thread
+    assert sum(p.waits) >= s.host_wait_seconds        # ... counted as waiting
+    assert sum(p.moves) < 0.5 * s.host_wait_seconds, (sum(p.moves), s.host_wait_seconds)
+    # Compute, moves and waits never count the same second twice.
+    assert sum(p.compute) + sum(p.moves) + sum(p.waits) <= s.step_seconds * 1.01

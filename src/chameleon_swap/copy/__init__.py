@@ -27,8 +27,13 @@ CUDA and ordering bugs show in the CPU tests:
 ``take_link() -> {"d2h": (bytes, seconds), "h2d": ...}``
     at step end: what the copies of the step moved and how long they took, per direction, where
     the backend times them (CPU); ``{}`` where it does not (CUDA).
+``host_block()``
+    a context manager around work that blocks the calling thread without computing (the host
+    arena allocating, on CUDA pinning, memory for a copy-out): counted as a wait of the step,
+    as the compute stream sees it (on CUDA the device's idle gap, timed by events).
 ``take_stalls() -> [(slot, seconds)]``, ``take_stall_seconds()``
-    at step end: each wait of the step (``wait`` that found its copy late, ``wait_host``) with the
+    at step end: each wait of the step (``wait`` that found its copy late, ``wait_host``,
+    ``host_block``) with the
     slot it fell in, as the engine's ``stall_slot()`` callable said when it happened; the profiler
     keeps those seconds apart from the slot's compute (a stalled step must plan like a clean one).
 
@@ -37,7 +42,7 @@ Imported by: ``runtime/`` (the executor), ``engine.py``, ``parallel/`` and the t
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Protocol
+from typing import Callable, ContextManager, Optional, Protocol
 
 import torch
 
@@ -56,6 +61,7 @@ class CopyEngine(Protocol):
                    after: Optional[Ticket]) -> Ticket: ...
     def wait(self, ticket: Ticket) -> bool: ...
     def wait_host(self, ticket: Ticket) -> float: ...
+    def host_block(self) -> ContextManager[None]: ...
     def defer(self, ticket: Ticket, fn: Optional[Callable[[], None]] = None,
               keep: object = None) -> None: ...
     def poll(self) -> None: ...

@@ -15,6 +15,7 @@ same asynchrony, ordering and lifetime rules as CUDA, exercised by every CPU tes
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import queue
@@ -190,6 +191,14 @@ class CpuCopyEngine:
         if ticket.error:
             raise RuntimeError(f"chameleon-swap copy failed: {ticket.error}")
         return dt
+
+    @contextlib.contextmanager
+    def host_block(self):
+        t0 = self.clock()
+        try:
+            yield
+        finally:
+            self._stalls.append((self.stall_slot(), self.clock() - t0))
 
     def defer(self, ticket: CpuTicket, fn: Optional[Callable[[], None]] = None,
               keep: object = None) -> None:

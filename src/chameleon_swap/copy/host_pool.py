@@ -370,6 +370,19 @@ class HostPool:
                                      + max(n, 2 * self._largest)))
             return False
 
+    def would_block(self, nbytes: int) -> bool:
+        """Whether ``acquire(nbytes)`` would wait (for the reserve, a background chunk, or a
+        new slab allocated on the calling thread) on an arena whose allocations are slow
+        (pinned, or the testing delay). Changes nothing, unlike ``ready``: the caller times
+        such an acquire as a wait (``runtime.executor``)."""
+        if not (self.pin or self.alloc_delay_s_per_gib):
+            return False
+        if not self._reserved.is_set():
+            return True
+        n = align_up(nbytes)
+        with self._lock:
+            return not self._closed and not any(slab.fits(n) for slab in self._slabs)
+
     def _count_waited_locked(self, slab: "_Slab") -> None:
         """A background slab an acquire had to wait for was on the step's critical path."""
         if getattr(slab, "ahead", False):

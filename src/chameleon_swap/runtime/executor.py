@@ -298,7 +298,7 @@ class Executor:
                                "step with no budget (no ready marker) and cannot be moved")
         self._check_versions(rec)
         rec.device = self._device_bytes(rec)
-        rec.host = self.pool.acquire(rec.nbytes)
+        rec.host, blocked = self._host_buffer(rec.nbytes)
         rec.out_ticket = self.copy.offload(rec.device, rec.host.view(rec.nbytes), rec.ready)
         rec.ready = None
         rec.state = OFFLOADING
@@ -317,8 +317,20 @@ class Executor:
         self.stats.offloaded_bytes += rec.nbytes
         self.stats.offloaded_tensors += 1
         self.copy.defer(rec.out_ticket, lambda: self._offloaded(rec, keep))
-        self._moved(t0, True)
+        self._moved(t0 + blocked, True)
         return True
+
+    def _host_buffer(self, nbytes: int):
+        """A host buffer for a copy-out, and the seconds this thread was blocked getting it.
+        An arena growing on this thread (pinning, on CUDA) is a wait, not compute nor a move:
+        the copy engine counts it among the step's waits (``host_block``), so a step that grew
+        its arena plans like one that did not."""
+        if not self.pool.would_block(nbytes):
+            return self.pool.acquire(nbytes), 0.0
+        t0 = self._now()
+        with self.copy.host_block():
+            buf = self.pool.acquire(nbytes)
+        return buf, self._now() - t0
 
     def _move_deferred(self, nbytes: int) -> None:
         """Start the copy-outs put off earlier (``offload``), oldest first: those the budget
