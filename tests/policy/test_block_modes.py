@@ -574,3 +574,37 @@ def test_the_first_plans_fall_back_and_are_made_again_on_the_emulated_link(monke
     # after it, on a plan the search chose, are.
     assert all(stand_in[1:w + 1]) and ranked[w] == 0, (stand_in, ranked, runs)
     assert ranked[-1] == sum(not x for x in stand_in[w + 1:]) > 0, (stand_in, ranked, runs)
+
+
+def test_a_first_step_timed_far_too_slow_steers_no_plan_after_the_next_timed_one(monkeypatch):
+    # The real clock, on the emulated link. On an H100 the engine's first step pinned host
+    # memory while it ran and its device-timed slots read 11-16 s for a 0.3 s step; plans made
+    # from that view predicted 5-50 s for steps that ran in 0.3-0.6 s, and the corrections,
+    # clamped, took five visits of a size to catch up. Here the first timed profile's compute
+    # is multiplied by 30 as it is taken. The step after it is timed as well (the views are
+    # cold), which corrects every cold view at once (``keep_views.thaw``) and plans every size
+    # again: from every size's second visit on, no prediction is off by 2x (without the thaw,
+    # steps 4 and 5 ran at 0.04x and 0.22x theirs; a size's first visit may run on another
+    # size's plan, and a full suite once read the third step at 2.2x).
+    from chameleon_swap.runtime import profiler as P
+    finish, first = P.Profiler.finish, []
+
+    def slow_first(self, *args, **kwargs):
+        p = finish(self, *args, **kwargs)
+        if p.detailed and not first:
+            first.append(p)
+            p.compute = [c * 30 for c in p.compute]
+        return p
+    monkeypatch.setattr(P.Profiler, "finish", slow_first)
+    model = tiny_llama(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=256)
+    batches = lm_batches(model, [128, 256, 192] * 3, B=4)
+    timed, cold = [], []
+
+    def between(eng):
+        timed.append(eng._profiler.last_profile.detailed)
+        cold.append(any(v.cold for v in eng._policy.modes.views.values()))
+    history, _, budget = compare(model, batches, lambda peaks: int(max(peaks) * 0.25),
+                                 model_kwarg=True, emulate_link="200MB/s", between=between)
+    assert first and timed[:2] == [True, True] and cold[0] and not cold[1], (timed, cold)
+    off = [s.step_seconds / s.predicted_step_seconds for s in history[3:]]
+    assert all(0.5 < r < 2 for r in off), [round(r, 2) for r in off]

@@ -119,3 +119,23 @@ def test_a_slow_first_step_is_corrected_by_later_timed_steps_on_the_emulated_lin
             assert eng.last_step.peak_resident_bytes <= budget
         assert any(s.block_modes[0] < 3 for s in eng.history)
         assert sums(modes.views[key])[1] < first - 0.1, (first, sums(modes.views[key]))
+
+
+def test_thaw_corrects_every_cold_view_by_the_nearest_ones_factors_unclamped():
+    # Views learnt on the engine's first step (cold) read 30x forward and 10x backward, as on
+    # an H100 whose first step pinned host memory while it ran. A warm timed step at 200 bytes
+    # (nearest: the 200-byte view) gives the factors; every cold view takes them, far beyond
+    # CORRECTION_CLAMP, and is warm after; a warm view is left alone.
+    from dataclasses import replace
+    cold = {1: replace(view(fwd=(30.0,) * 3, bwd=(20.0,) * 3), cold=True),
+            2: replace(view(fwd=(60.0,) * 3, bwd=(40.0,) * 3, input_bytes=200), cold=True),
+            3: view(input_bytes=300)}
+    assert keep_views.thaw(cold, (6.0, 12.0), 200)
+    assert sums(cold[2]) == pytest.approx((6.0, 12.0))
+    assert sums(cold[1]) == pytest.approx((3.0, 6.0))            # the same factors
+    assert sums(cold[3]) == sums(view())                          # warm: untouched
+    assert not any(v.cold for v in cold.values())
+    assert cold[1].blocks[0].forward_seconds == pytest.approx(1.5 / 30)
+    assert [sp.nbytes for sp in cold[1].profile.spans] == [40, 60]
+    assert not keep_views.thaw(cold, (1.0, 1.0), 200)            # none cold: nothing to do
+    assert keep_views.scaled(replace(view(), cold=True), 2.0, 200).cold   # scaling keeps it

@@ -23,7 +23,8 @@ step's size.
   selective for one step; its held bytes and recompute time, against its keep-view figures, give
   the ratios used for every block of the model from then on, and every key is planned again.
 * The first plans (from the first step's times, a warm-up) run their fallback until a later
-  step is timed (``mix_runs.until_warm``); then every size is planned again.
+  step is timed (``mix_runs.until_warm``), which corrects the first step's views
+  (``keep_views.thaw``); then every size is planned again at once.
 * The guard holds the budget underneath whatever the plan says: a plan made for another size
   costs speed, never the budget.
 * Host room (``host_limit``: ``host_memory_limit``). Plans copy out at most what the host arena
@@ -36,35 +37,21 @@ from __future__ import annotations
 import statistics
 import time
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable, Optional
 
 from ..copy.host_pool import ALIGN
-from ..planning.modes import HybridPlan, plan_hybrid, working_set
+from ..planning.modes import plan_hybrid, working_set
 from ..planning.signatures import step_size
 from . import keep_views
 from .checks import MISS     # a mix that ran this much slower than its plan said: plan again
 from .keep_views import KeepView, scaled
-from .mix_runs import MixRuns, Trials, no_host_room, no_mix_fits, until_warm
+from .mix_runs import ModePlan, MixRuns, Trials, no_host_room, no_mix_fits, until_warm
 
 REPLAN_BUDGET_CHANGE = 0.05     # a budget that moved by more than this re-plans the key
 REPLAN_MOVE_CHANGE = 0.3       # so does a cost of a move that changed by more than this
 PLANNING_SHARE = 0.10           # planning again takes at most this share of the steps' time
 FIRST_PLANS_FALL_BACK = True    # plans from the first step's times run their fallback (_plan_key)
-
-
-@dataclass
-class ModePlan:
-    modes: dict[int, str]       # runner block index -> mode
-    working_set: dict[int, int]
-    input_bytes: int
-    budget: int
-    measured: bool              # made from this key's own keep view (else scaled from another)
-    hybrid: HybridPlan
-    key: Optional[int] = None   # the step size it was made for
-    replanned: bool = False     # made again after its predictions missed (not yet reported)
-    move_seconds: float = 0.0   # the cost of a move it was planned with
-    stand_in: bool = False      # runs its plan's fallback until a later step is timed
 
 
 class BlockModes:
@@ -89,6 +76,7 @@ class BlockModes:
         self.stale: set = set()                         # keys to plan again (the link changed)
         self.runs = MixRuns()                           # per key: what each mix ran at
         self.planning_seconds = 0.0                     # spent making mode plans
+        self.unrationed = 0.0                           # ... of which on thawing (once)
         self.trained_seconds = 0.0                      # steps with a budget ran (see may_replan)
         self.put_off: set = set()                       # keys whose replan waits for its share
         self.trials = Trials()                          # per key: its fallback's trial
@@ -107,8 +95,7 @@ class BlockModes:
                                             # the bytes it holds beside the block's inputs
         self.forced: dict[int, int] = {}    # blocks run full for host room: their working sets
 
-    def ahead(self) -> int:
-        """Room copies back must leave this step: the largest recompute still to come."""
+    def ahead(self) -> int:     # room copies back must leave: the largest recompute to come
         return max(self.pending.values(), default=0)
 
     def mode(self, b: int, input_bytes: int) -> str:
@@ -142,8 +129,7 @@ class BlockModes:
 
     # ------------------------------------------------------------------ what the step ran on
     def predicted_seconds(self) -> Optional[float]:
-        """The step time the applied mode plan predicts for this step (scaled to its size when
-        the plan was made for another size); None without a plan."""
+        """The applied mode plan's step time, scaled to this step's size; None without one."""
         p = self.plan
         if p is None or self.key is None:
             return None
@@ -193,7 +179,7 @@ class BlockModes:
         50-150 ms, 1-2 of its steps. Unrationed, its demo made 14 plans in 24 steps for mixes
         5-10% apart; at a quarter, its last 12 steps ran 1.04-1.78x checkpointing's time over
         three runs (replans inside them), at a tenth 1.10-1.13x."""
-        return self.planning_seconds <= PLANNING_SHARE * self.trained_seconds
+        return self.planning_seconds - self.unrationed <= PLANNING_SHARE * self.trained_seconds
 
     def run_full(self, b: int, estimate: int, input_bytes: int) -> str:
         """Block ``b`` runs full although its plan keeps it (no host room for what keeping it
@@ -223,16 +209,12 @@ class BlockModes:
         return int(p.working_set[b] * self.input_bytes / max(1, p.input_bytes))
 
     def _nearest(self, input_bytes: int) -> Optional[ModePlan]:
-        plans = self.plans
-        if not plans:
-            return None
-        key = step_size(input_bytes)
-        if key in plans:
-            return plans[key]
+        plans, key = self.plans, step_size(input_bytes)
+        if not plans or key in plans:
+            return plans.get(key)
         larger = [p for p in plans.values() if p.input_bytes >= input_bytes]
-        if larger:
-            return min(larger, key=lambda p: p.input_bytes)
-        return max(plans.values(), key=lambda p: p.input_bytes)
+        return (min(larger, key=lambda p: p.input_bytes) if larger
+                else max(plans.values(), key=lambda p: p.input_bytes))
 
     def _view_near(self, input_bytes: int) -> Optional[KeepView]:
         if not self.views:
@@ -255,9 +237,11 @@ class BlockModes:
         if profile.detailed and all(c.mode == "keep" for c in calls):
             self._learn_view(profile, calls)
             self._warmed(sum(self.visits.values()) > 1)
+            self._thaw(self.warm and keep_views.timed_compute(profile, calls))
         elif profile.detailed:
-            view = self.views.get(self.key) or self._view_near(self.input_bytes)
             timed = keep_views.timed_compute(profile, calls)
+            self._thaw(timed)
+            view = self.views.get(self.key) or self._view_near(self.input_bytes)
             now = timed and keep_views.settled(self.timed.setdefault(self.key, []), timed)
             better = view and now and keep_views.corrected(view, now, self.input_bytes)
             self._warmed(bool(view and now))
@@ -278,6 +262,21 @@ class BlockModes:
             self._make(self.key)
         elif not plan.measured and self.key in self.views:
             self.replan(self.key, 1.0)   # its own keep view now: an improvement
+
+    def _thaw(self, timed) -> None:
+        """Views of the first step corrected by a later timed one (``keep_views.thaw``), every
+        size planned again at once, unrationed (once; an H100 ran such plans 2-30x off)."""
+        if not (timed and keep_views.thaw(self.views, timed, self.input_bytes)):
+            return
+        here, self.warm, before = self.input_bytes, True, self.planning_seconds
+        try:
+            for key, plan in list(self.plans.items()):
+                self.input_bytes = plan.input_bytes     # (the size the key was planned at)
+                self._make(key)
+                self.stale.discard(key)
+        finally:
+            self.input_bytes = here
+            self.unrationed += self.planning_seconds - before   # (not charged: see may_replan)
 
     def _warmed(self, now: bool) -> None:
         """Compute timed past the first step (``now``), the first time: plan every size again."""
@@ -318,16 +317,16 @@ class BlockModes:
 
     def _learn_view(self, profile, calls: list) -> None:
         d2h, h2d = self.bandwidth_fn()
+        cold = not self.warm and sum(self.visits.values()) <= 1    # the engine's first step
         self.views[self.key] = keep_views.learn(profile, calls, d2h, h2d, self.eligible,
-                                                self.input_bytes)
+                                                self.input_bytes, cold)
 
     def _learn_full(self, calls: list) -> None:
-        """A full recompute's time against its kept forward (``keep_views.full_ratio``): a
-        running mean, used by the plans made after it. No key is planned again for it (a mode
-        plan costs 50-500 ms on 8 blocks; replanning every key when it changed made a 12-step
-        demo plan on most of its steps)."""
+        """A full recompute's time against its kept forward (``keep_views.full_ratio``): a running
+        mean for the plans made after it; no key is planned again for it (replanning every key
+        when it changed made a 12-step demo plan on most of its steps)."""
         view = self._view_near(self.input_bytes)
-        r = view and keep_views.full_ratio(view, calls, self.input_bytes)
+        r = view and not view.cold and keep_views.full_ratio(view, calls, self.input_bytes)
         if r:
             old = self.full_seconds_ratio
             self.full_seconds_ratio = r if old is None else 0.5 * r + 0.5 * old
@@ -337,7 +336,8 @@ class BlockModes:
         self._probe, self._probed = None, True
         call = next((c for c in calls if c.block == b and c.mode == "selective"), None)
         view = self._view_near(self.input_bytes)
-        got = call and view and keep_views.selective_ratios(view, call, self.input_bytes)
+        got = call and view and not view.cold and keep_views.selective_ratios(
+            view, call, self.input_bytes)
         if got:
             self.sel_bytes_ratio, self.sel_seconds_ratio = got
             # Every key is planned again with selective known, at its next visit (which still

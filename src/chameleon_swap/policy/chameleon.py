@@ -81,7 +81,10 @@ class ChameleonPolicy:
     def wants_detail(self) -> bool:
         # Timings serve the planner only, which never runs without a budget: with none, every
         # step is lightweight (the first step with a budget is then the timed one).
-        return self._want_detail and self.ex.budget is not None
+        # Block modes planned from the first step's figures alone want the next step timed
+        # as well: it corrects them (``BlockModes.warm``).
+        cold = bool(self.modes.views) and not self.modes.warm
+        return (self._want_detail or cold) and self.ex.budget is not None
 
     def begin_step(self) -> None:
         self.guard.begin_step()

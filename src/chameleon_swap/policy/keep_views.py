@@ -15,6 +15,17 @@ timed steps in another mix check the view (``corrected``): their forward, and th
 without its recomputes (timed apart by the recompute runner; ``timed_compute``), against the
 view's scaled to the step's size; beyond ``MISS`` the size gets a corrected view of its own. The
 first such step corrects at once, later ones by the median of the last three (``settled``).
+
+On CUDA the first step can be far slower than that: its host arena pins memory while it runs,
+and the pinning holds up the step's kernel launches even from a background thread, so the
+device-timed slots read the gaps as compute. On an H100 (4096x8 HF Llama, 25% budget) the first
+step read 11-16 s for a 0.3 s step, and a view corrected by at most ``CORRECTION_CLAMP`` a step
+took five visits of its size to come down, each planning from figures 2-30x off (and ratios
+measured against them, like selective's, were off by as much the other way). So views learnt
+on the engine's first step are *cold*: the first timed step after it (another mix, or a second
+all-kept step) gives the factors by which the cold view it would plan from is off, forward and
+backward apart, unclamped, and every cold view is corrected by them (``thaw``): the first
+step's slowness is the step's, not its size's.
 """
 from __future__ import annotations
 
@@ -36,10 +47,11 @@ class KeepView:
     blocks: list[Block]         # in call order
     block_ids: list[int]        # runner block index of each
     input_bytes: int            # the first block's input: the size the view was measured at
+    cold: bool = False          # learnt on the engine's first step (see ``thaw``)
 
 
 def learn(profile, calls: list, d2h: float, h2d: float, eligible: list,
-          input_bytes: int) -> KeepView:
+          input_bytes: int, cold: bool = False) -> KeepView:
     """The keep view of a timed step that ran every block kept (``calls``: each block's first
     call; ``eligible``: per runner block, False where the user's own checkpointing stands)."""
     tl = profile.to_timeline(d2h, h2d)
@@ -47,7 +59,7 @@ def learn(profile, calls: list, d2h: float, h2d: float, eligible: list,
                     block_compute(profile, c), c.input_bytes,
                     eligible=c.block >= len(eligible) or eligible[c.block])
               for c in calls]
-    return KeepView(tl, blocks, [c.block for c in calls], input_bytes)
+    return KeepView(tl, blocks, [c.block for c in calls], input_bytes, cold)
 
 
 def block_compute(profile, call) -> float:
@@ -94,6 +106,27 @@ def corrected(view: KeepView, measured: tuple[float, float],
     return scaled(view, f, input_bytes, seconds=(ff * f, fb * f))
 
 
+def thaw(views: dict, measured: tuple[float, float], input_bytes: int) -> bool:
+    """Correct every cold view in ``views`` (key -> view, changed in place) by the factors a
+    warm timed step (``measured``: its forward and backward, ``timed_compute``, at
+    ``input_bytes``) says the cold view nearest its size is off by; False when none is cold
+    or the step cannot tell."""
+    cold = [k for k, v in views.items() if v.cold]
+    if not cold or min(measured) <= 0:
+        return False
+    near = min((views[k] for k in cold), key=lambda v: abs(v.input_bytes - input_bytes))
+    f = input_bytes / max(1, near.input_bytes)
+    vp, n = near.profile, near.profile.n_forward
+    fwd, bwd = f * sum(vp.compute[:n + 1]), f * sum(vp.compute[n + 1:])
+    if min(fwd, bwd) <= 0:
+        return False
+    factors = (measured[0] / fwd, measured[1] / bwd)
+    for k in cold:
+        v = views[k]
+        views[k] = replace(scaled(v, 1.0, v.input_bytes, seconds=factors), cold=False)
+    return True
+
+
 def settled(timed: list, new: tuple[float, float]) -> Optional[tuple[float, float]]:
     """What a size's timed steps in other mixes say its compute is, once ``new`` (a step's
     ``timed_compute``) joins ``timed`` (the size's last ones, oldest first; kept to
@@ -124,7 +157,7 @@ def scaled(view: KeepView, f: float, input_bytes: int, seconds=None) -> KeepView
                    reserve=tuple(int(r * f) for r in p.reserve))
     blocks = [replace(b, forward_seconds=b.forward_seconds * tf,
                       input_bytes=int(b.input_bytes * f)) for b in view.blocks]
-    return KeepView(prof, blocks, view.block_ids, input_bytes)
+    return KeepView(prof, blocks, view.block_ids, input_bytes, view.cold)
 
 
 def full_ratio(view: KeepView, calls: list, input_bytes: int) -> Optional[float]:

@@ -25,10 +25,27 @@ The warnings a mode plan gives (no mix fits the budget, or the host room) are wo
 from __future__ import annotations
 
 import statistics
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Optional
 
 from ..config import format_bytes
-from ..planning.modes import SWITCH_GAIN
+from ..planning.modes import SWITCH_GAIN, HybridPlan
+
+
+@dataclass
+class ModePlan:
+    """A size's mode plan as the block modes run it (``block_modes.BlockModes.plans``)."""
+    modes: dict[int, str]       # runner block index -> mode
+    working_set: dict[int, int]
+    input_bytes: int
+    budget: int
+    measured: bool              # made from this key's own keep view (else scaled from another)
+    hybrid: HybridPlan
+    key: Optional[int] = None   # the step size it was made for
+    replanned: bool = False     # made again after its predictions missed (not yet reported)
+    move_seconds: float = 0.0   # the cost of a move it was planned with
+    stand_in: bool = False      # runs its plan's fallback until a later step is timed
+
 
 RUNS_KEPT = 3                   # step times kept per mix and size (their low median ranks it)
 
