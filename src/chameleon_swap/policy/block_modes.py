@@ -5,16 +5,15 @@ The recompute runner (``recompute/runner.py``, mechanism) asks ``mode(b, input_b
 step's size.
 
 * Sizes. A step is keyed by its step size (``signatures.step_size``: its first block's input,
-  tokens x hidden, bucketed; it changes with the sequence length and batch, not with the data).
-  Each key gets a plan of its own; a step of a key not planned yet runs the plan of the nearest
-  larger key (more recomputation is the safe side), else of the largest, and its key is planned
-  at the end of that step.
-* Keep views. The planner needs the step as it is with every block kept. That is measured on a
-  detailed step that ran every block kept (the very first step does); a key that never ran so is
-  planned on the nearest measured keep view, scaled to its size (bytes and time in proportion to
-  the input bytes). Timed steps in other mixes correct the compute of the view its size plans
-  from (the first step runs slow: the first such step at once, later ones by their median,
-  ``keep_views.settled``), and the size is planned again.
+  tokens x hidden, bucketed). Each key gets a plan of its own; a step of a key not planned yet
+  runs the plan of the nearest larger key (more recomputation is the safe side), else of the
+  largest, and its key is planned at the end of that step.
+* Keep views (``keep_views``): the step as it is with every block kept, measured on a detailed
+  step that ran so (the very first step does), else the nearest one scaled to the size. Timed
+  steps in other mixes correct the view its size plans from, and the size is planned again.
+* Planning again is rationed to ``PLANNING_SHARE`` of the steps' time (first plans are free),
+  and a size whose replans keep choosing the mix it has waits 2, 4, 8... of its steps between
+  them (``fruitless``): on the CPU demo each was 40-80 ms on 50-70 ms steps.
 * What ran outranks what was predicted (``mix_runs``): mixes that ran are ranked by their step
   times, and a mix that copies, recomputes selectively or ran slower than predicted is checked
   once per size against its plan's fallback (kept and full blocks, nothing moved); faster stays.
@@ -76,7 +75,8 @@ class BlockModes:
         self.stale: set = set()                         # keys to plan again (the link changed)
         self.runs = MixRuns()                           # per key: what each mix ran at
         self.planning_seconds = 0.0                     # spent making mode plans
-        self.unrationed = 0.0                           # ... of which on thawing (once)
+        self.unrationed = 0.0                           # ... of which first plans, a thaw
+        self.fruitless: dict = {}   # key -> (replans in a row that changed nothing, next visit)
         self.trained_seconds = 0.0                      # steps with a budget ran (see may_replan)
         self.put_off: set = set()                       # keys whose replan waits for its share
         self.trials = Trials()                          # per key: its fallback's trial
@@ -155,30 +155,31 @@ class BlockModes:
 
     def replan(self, key: int, compute_factor: float, missed_bytes: int = 0) -> None:
         """Correct the key's compute by ``compute_factor`` and its memory by ``missed_bytes``
-        (what the guard had to move beyond the plan: the model counted that much too few
-        resident bytes), and plan it again (the link is the bandwidth function's, corrected by
-        the caller) when the planning time allows (``may_replan``), else at a later step. While
-        put off, the plan is the one the corrections were measured against: it takes no more."""
+        (what the guard moved beyond the plan), and plan it again when the ration allows
+        (``may_replan``, ``fruitless``), else at a later step; while put off, the plan is the
+        one the corrections were measured against, and it takes no more."""
         if key not in self.put_off:
             self.compute_scale[key] = self.compute_scale.get(key, 1.0) * compute_factor
             if self.budget is not None and missed_bytes > 0:
                 self.margin[key] = min(self.budget // 4, self.margin.get(key, 0) + missed_bytes)
-        if not self.may_replan():
+        n, wait = self.fruitless.get(key, (0, 0))
+        if not self.may_replan() or self.visits.get(key, 0) < wait:
             self.stale.add(key)
             self.put_off.add(key)
             return
         self.stale.discard(key)
         self.put_off.discard(key)
+        old = self.plans.get(key)
         self._make(key)
         if key in self.plans:
             self.plans[key].replanned = True
+            same = old is not None and old.modes == self.plans[key].modes
+            self.fruitless[key] = (n + 1, self.visits.get(key, 0) + 2 ** (n + 1)) if same else (0, 0)
 
     def may_replan(self) -> bool:
-        """Planning a size again fits the planning time allowed so far (``PLANNING_SHARE`` of
-        the steps' seconds; a first plan is always made). An 8-block HF Llama's mode plan takes
-        50-150 ms, 1-2 of its steps. Unrationed, its demo made 14 plans in 24 steps for mixes
-        5-10% apart; at a quarter, its last 12 steps ran 1.04-1.78x checkpointing's time over
-        three runs (replans inside them), at a tenth 1.10-1.13x."""
+        """Planning again fits the time allowed (``PLANNING_SHARE`` of the steps' seconds; first
+        plans are free). Unrationed, the demo made 14 plans in 24 steps for mixes 5-10% apart;
+        at a quarter its last 12 steps ran 1.04-1.78x checkpointing's, at a tenth 1.10-1.13x."""
         return self.planning_seconds - self.unrationed <= PLANNING_SHARE * self.trained_seconds
 
     def run_full(self, b: int, estimate: int, input_bytes: int) -> str:
@@ -264,19 +265,17 @@ class BlockModes:
             self.replan(self.key, 1.0)   # its own keep view now: an improvement
 
     def _thaw(self, timed) -> None:
-        """Views of the first step corrected by a later timed one (``keep_views.thaw``), every
-        size planned again at once, unrationed (once; an H100 ran such plans 2-30x off)."""
+        """First-step views corrected (``keep_views.thaw``), every size planned again, free."""
         if not (timed and keep_views.thaw(self.views, timed, self.input_bytes)):
             return
-        here, self.warm, before = self.input_bytes, True, self.planning_seconds
+        here, self.warm = self.input_bytes, True
         try:
             for key, plan in list(self.plans.items()):
                 self.input_bytes = plan.input_bytes     # (the size the key was planned at)
-                self._make(key)
+                self._make(key, free=True)
                 self.stale.discard(key)
         finally:
             self.input_bytes = here
-            self.unrationed += self.planning_seconds - before   # (not charged: see may_replan)
 
     def _warmed(self, now: bool) -> None:
         """Compute timed past the first step (``now``), the first time: plan every size again."""
@@ -344,12 +343,13 @@ class BlockModes:
             # runs, and reads, the plan it has: a size that comes back keeps its cached plan).
             self.stale.update(self.plans)
 
-    def _make(self, key: int) -> None:
-        t0 = time.perf_counter()
+    def _make(self, key: int, free: bool = False) -> None:
+        t0, free = time.perf_counter(), free or key not in self.plans   # (a first plan is free)
         try:
             self._plan_key(key)
         finally:
             self.planning_seconds += time.perf_counter() - t0
+            self.unrationed += (time.perf_counter() - t0) if free else 0.0
 
     def _plan_key(self, key: int) -> None:
         view = self.views.get(key)
