@@ -11,8 +11,8 @@ step's size.
 * Keep views (``keep_views``): the step as it is with every block kept, measured on a detailed
   step that ran so (the very first step does), else the nearest one scaled to the size. Timed
   steps in other mixes correct the view its size plans from, and the size is planned again.
-* Planning again is rationed to ``PLANNING_SHARE`` of the steps' time (first plans are free),
-  and a size whose replans keep choosing the mix it has waits 2, 4, 8... of its steps between
+* Planning again is rationed to ``PLANNING_SHARE`` of the steps' time (a thaw's plans are
+  free), and a size whose replans keep choosing the mix it has waits 2, 4, 8... of its steps between
   them (``fruitless``): on the CPU demo each was 40-80 ms on 50-70 ms steps.
 * What ran outranks what was predicted (``mix_runs``): mixes that ran are ranked by their step
   times, and a mix that copies, recomputes selectively or ran slower than predicted is checked
@@ -75,7 +75,7 @@ class BlockModes:
         self.stale: set = set()                         # keys to plan again (the link changed)
         self.runs = MixRuns()                           # per key: what each mix ran at
         self.planning_seconds = 0.0                     # spent making mode plans
-        self.unrationed = 0.0                           # ... of which first plans, a thaw
+        self.unrationed = 0.0                           # ... of which a thaw's (free)
         self.fruitless: dict = {}   # key -> (replans in a row that changed nothing, next visit)
         self.trained_seconds = 0.0                      # steps with a budget ran (see may_replan)
         self.put_off: set = set()                       # keys whose replan waits for its share
@@ -177,9 +177,9 @@ class BlockModes:
             self.fruitless[key] = (n + 1, self.visits.get(key, 0) + 2 ** (n + 1)) if same else (0, 0)
 
     def may_replan(self) -> bool:
-        """Planning again fits the time allowed (``PLANNING_SHARE`` of the steps' seconds; first
-        plans are free). Unrationed, the demo made 14 plans in 24 steps for mixes 5-10% apart;
-        at a quarter its last 12 steps ran 1.04-1.78x checkpointing's, at a tenth 1.10-1.13x."""
+        """Planning again fits its share of the steps' time. First plans are made anyway, and
+        charged (freed, the CPU demo planned more early and ran 1.29-1.37x checkpointing's time
+        in three runs, against 1.12-1.31x); at a quarter share it ran 1.04-1.78x."""
         return self.planning_seconds - self.unrationed <= PLANNING_SHARE * self.trained_seconds
 
     def run_full(self, b: int, estimate: int, input_bytes: int) -> str:
@@ -344,7 +344,7 @@ class BlockModes:
             self.stale.update(self.plans)
 
     def _make(self, key: int, free: bool = False) -> None:
-        t0, free = time.perf_counter(), free or key not in self.plans   # (a first plan is free)
+        t0 = time.perf_counter()
         try:
             self._plan_key(key)
         finally:
