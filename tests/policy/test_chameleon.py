@@ -234,3 +234,22 @@ def test_a_plan_made_for_long_sequences_moves_nothing_on_a_short_step_that_fits(
     mid = stats[6]
     need = mid.saved_bytes - budget
     assert need > 0 and mid.offloaded_bytes <= 1.5 * need + max(mid.saved_bytes // 10, 1), mid
+
+
+def test_block_modes_still_cold_ask_for_the_next_steps_timed_a_few_at_most():
+    # After the engine's first step its keep views are cold (``BlockModes.warm`` is False): the
+    # next step is timed, so that it corrects them, whatever the swap plans want; a run that
+    # never gets a usable timed step stops asking after COLD_TIMED_STEPS steps.
+    from chameleon_swap.policy.chameleon import COLD_TIMED_STEPS
+    from _models import lm_batches, tiny_llama
+    model = tiny_llama(n_layers=3)
+    batch = lm_batches(model, [24])[0]
+    with cs.Chameleon(int(natural_peak(model, batch) * 0.5), device="cpu", min_tensor_bytes=0,
+                      model=model) as eng:
+        train_step(model, batch, eng)
+        pol = eng._policy
+        assert pol.modes.views and not pol.modes.warm
+        pol._want_detail = False                       # the swap plans want no timed step
+        assert pol.wants_detail()
+        pol.modes.visits = {k: COLD_TIMED_STEPS for k in pol.modes.visits}
+        assert not pol.wants_detail()

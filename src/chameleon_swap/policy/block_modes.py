@@ -12,7 +12,7 @@ step's size.
   step that ran so (the very first step does), else the nearest one scaled to the size. Timed
   steps in other mixes correct the view its size plans from, and the size is planned again.
 * Planning again is rationed to ``PLANNING_SHARE`` of the steps' time (a thaw's plans are
-  free), and a size whose replans keep choosing the mix it has waits 2, 4, 8... of its steps between
+  free), and a size whose replans keep choosing its mix waits 2, 4, 8... of its steps between
   them (``fruitless``): on the CPU demo each was 40-80 ms on 50-70 ms steps.
 * What ran outranks what was predicted (``mix_runs``): mixes that ran are ranked by their step
   times, and a mix that copies, recomputes selectively or ran slower than predicted is checked
@@ -173,8 +173,8 @@ class BlockModes:
         self._make(key)
         if key in self.plans:
             self.plans[key].replanned = True
-            same = old is not None and old.modes == self.plans[key].modes
-            self.fruitless[key] = (n + 1, self.visits.get(key, 0) + 2 ** (n + 1)) if same else (0, 0)
+            n = n + 1 if old is not None and old.modes == self.plans[key].modes else 0
+            self.fruitless[key] = (n, self.visits.get(key, 0) + (2 ** n if n else 0))
 
     def may_replan(self) -> bool:
         """Planning again fits its share of the steps' time. First plans are made anyway, and
@@ -339,8 +339,7 @@ class BlockModes:
             view, call, self.input_bytes)
         if got:
             self.sel_bytes_ratio, self.sel_seconds_ratio = got
-            # Every key is planned again with selective known, at its next visit (which still
-            # runs, and reads, the plan it has: a size that comes back keeps its cached plan).
+            # Every key is planned again with selective known, at its next visit's end.
             self.stale.update(self.plans)
 
     def _make(self, key: int, free: bool = False) -> None:
@@ -348,8 +347,9 @@ class BlockModes:
         try:
             self._plan_key(key)
         finally:
-            self.planning_seconds += time.perf_counter() - t0
-            self.unrationed += (time.perf_counter() - t0) if free else 0.0
+            dt = time.perf_counter() - t0
+            self.planning_seconds += dt
+            self.unrationed += dt if free else 0.0
 
     def _plan_key(self, key: int) -> None:
         view = self.views.get(key)

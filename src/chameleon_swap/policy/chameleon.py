@@ -33,6 +33,7 @@ from .checks import PlanChecks, check_step
 from ..planning.cache import DEFAULT_PLAN_CACHE_SIZE, PlanCache, PlanEntry, compile_plan
 
 RECENT_STEPS = 4          # an estimated plan used this recently earns a detailed step
+COLD_TIMED_STEPS = 4      # steps timed at most while block modes wait for a second timed one
 FIT_COVERAGE = 0.9        # share of saved bytes a plan must match to be kept for a new sequence
 
 
@@ -81,9 +82,10 @@ class ChameleonPolicy:
     def wants_detail(self) -> bool:
         # Timings serve the planner only, which never runs without a budget: with none, every
         # step is lightweight (the first step with a budget is then the timed one).
-        # Block modes planned from the first step's figures alone want the next step timed
-        # as well: it corrects them (``BlockModes.warm``).
-        cold = bool(self.modes.views) and not self.modes.warm
+        # Block modes planned from the first step's figures alone want the next steps timed
+        # as well, until one corrects them (``BlockModes.warm``; a few at most).
+        cold = (bool(self.modes.views) and not self.modes.warm
+                and sum(self.modes.visits.values()) < COLD_TIMED_STEPS)
         return (self._want_detail or cold) and self.ex.budget is not None
 
     def begin_step(self) -> None:
