@@ -7,7 +7,9 @@
 #
 # 1. the machine and its link (`chameleon-swap info`);
 # 2. benchmarks/hybrid.py --device cuda: HF Llama 4096x8, lengths 8k/16k/12k, none, full and
-#    selective recomputation, swap only and the hybrid at 25/50/75% (about 3 minutes on an H100);
+#    selective recomputation, swap only and the hybrid at the budgets HYBRID_FRACTIONS (default
+#    0.25,0.5: on an H100 each budget took about 90-100 s with its first steps' pinning, so the
+#    default limit of 240 s cut the 75% one short twice on 2026-11-26);
 # 3. `chameleon-swap demo --device cuda`: the demo's legs at GPU size, with the comparison
 #    against gradient checkpointing (HF Llama 2048x16 at 4k-8k tokens);
 # 4. the CUDA tests (`-m cuda`), without the sanitizer unless CSAN=1;
@@ -40,7 +42,7 @@ want() { case " $PARTS " in *" $1 "*) return 0;; *) return 1;; esac; }
 if want hybrid; then
 stamp "hybrid" >"$OUT/hybrid.log"
 timeout "${HYBRID_S:-240}" python3 benchmarks/hybrid.py --device cuda --config 4096x8 \
-    --out "$WORK/hybrid" >>"$OUT/hybrid.log" 2>&1
+    --fractions "${HYBRID_FRACTIONS:-0.25,0.5}" --out "$WORK/hybrid" >>"$OUT/hybrid.log" 2>&1
 echo "exit $?" >>"$OUT/hybrid.log"
 fi
 
