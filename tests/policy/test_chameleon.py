@@ -239,8 +239,9 @@ def test_a_plan_made_for_long_sequences_moves_nothing_on_a_short_step_that_fits(
 def test_block_modes_still_cold_ask_for_the_next_steps_timed_a_few_at_most():
     # After the engine's first step its keep views are cold (``BlockModes.warm`` is False): the
     # next step is timed, so that it corrects them, whatever the swap plans want; a run that
-    # never gets a usable timed step stops asking after COLD_TIMED_STEPS steps.
-    from chameleon_swap.policy.chameleon import COLD_TIMED_STEPS
+    # never gets a usable timed step stops asking after COLD_STEPS steps, and its block modes
+    # then take the views as they are (warm: the first plans' fallbacks end).
+    from chameleon_swap.policy.block_modes import COLD_STEPS
     from _models import lm_batches, tiny_llama
     model = tiny_llama(n_layers=3)
     batch = lm_batches(model, [24])[0]
@@ -251,5 +252,9 @@ def test_block_modes_still_cold_ask_for_the_next_steps_timed_a_few_at_most():
         assert pol.modes.views and not pol.modes.warm
         pol._want_detail = False                       # the swap plans want no timed step
         assert pol.wants_detail()
-        pol.modes.visits = {k: COLD_TIMED_STEPS for k in pol.modes.visits}
+        pol.modes.visits = {k: COLD_STEPS for k in pol.modes.visits}
         assert not pol.wants_detail()
+        assert not pol.modes.warm
+        train_step(model, batch, eng)                  # lightweight: nothing timed, yet...
+        assert not eng._profiler.last_profile.detailed
+        assert pol.modes.warm and not any(v.cold for v in pol.modes.views.values())

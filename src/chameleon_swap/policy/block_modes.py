@@ -51,6 +51,7 @@ REPLAN_BUDGET_CHANGE = 0.05     # a budget that moved by more than this re-plans
 REPLAN_MOVE_CHANGE = 0.3       # so does a cost of a move that changed by more than this
 PLANNING_SHARE = 0.10           # planning again takes at most this share of the steps' time
 FIRST_PLANS_FALL_BACK = True    # plans from the first step's times run their fallback (_plan_key)
+COLD_STEPS = 4                  # ... at most this many steps (then warm, whatever was timed)
 
 
 class BlockModes:
@@ -230,10 +231,8 @@ class BlockModes:
             return
         self.visits[self.key] = self.visits.get(self.key, 0) + 1
         self.trained_seconds += profile.step_seconds or 0.0
-        first = {}
-        for c in calls:                      # the first call of each block (one per step)
-            first.setdefault(c.block, c)
-        calls = list(first.values())
+        seen: set = set()                    # the first call of each block (one per step)
+        calls = [c for c in calls if not (c.block in seen or seen.add(c.block))]
         self._learn_run(profile, calls)
         if profile.detailed and all(c.mode == "keep" for c in calls):
             self._learn_view(profile, calls)
@@ -251,6 +250,7 @@ class BlockModes:
                 self.compute_scale.pop(self.key, None)   # the view holds measured compute now
                 if self.key in self.plans and self.plans[self.key].key == self.key:
                     self.stale.add(self.key)             # planned again below
+        self._warmed(sum(self.visits.values()) >= COLD_STEPS)  # no step could tell: as they are
         if self.probing is not None:
             self._learn_selective(calls)
         self._learn_full(calls)
@@ -269,19 +269,19 @@ class BlockModes:
         if not (timed and keep_views.thaw(self.views, timed, self.input_bytes)):
             return
         here, self.warm = self.input_bytes, True
-        try:
-            for key, plan in list(self.plans.items()):
-                self.input_bytes = plan.input_bytes     # (the size the key was planned at)
-                self._make(key, free=True)
-                self.stale.discard(key)
-        finally:
-            self.input_bytes = here
+        for key, plan in list(self.plans.items()):
+            self.input_bytes = plan.input_bytes         # (the size the key was planned at)
+            self._make(key, free=True)
+            self.stale.discard(key)
+        self.input_bytes = here
 
     def _warmed(self, now: bool) -> None:
-        """Compute timed past the first step (``now``), the first time: plan every size again."""
+        """Compute timed past the first step (``now``), the first time: plan every size again
+        (views still cold are taken as they are: no timed step could correct them)."""
         if now and not self.warm:
             self.warm = True
             self.stale.update(self.plans)
+            self.views = {k: replace(v, cold=False) for k, v in self.views.items()}
 
     def _learn_run(self, profile, calls: list) -> None:
         """The step's time against the mix it ran (its blocks' modes as run: a probe, a block

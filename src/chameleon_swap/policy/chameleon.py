@@ -27,13 +27,12 @@ from typing import Optional
 
 from ..runtime.executor import HOST, OFFLOADING, RESIDENT, Executor, Record
 from .guard import GuardPolicy
-from .block_modes import BlockModes
+from .block_modes import COLD_STEPS, BlockModes
 from .host_room import HostRoom
 from .checks import PlanChecks, check_step
 from ..planning.cache import DEFAULT_PLAN_CACHE_SIZE, PlanCache, PlanEntry, compile_plan
 
 RECENT_STEPS = 4          # an estimated plan used this recently earns a detailed step
-COLD_TIMED_STEPS = 4      # steps timed at most while block modes wait for a second timed one
 FIT_COVERAGE = 0.9        # share of saved bytes a plan must match to be kept for a new sequence
 
 
@@ -85,7 +84,7 @@ class ChameleonPolicy:
         # Block modes planned from the first step's figures alone want the next steps timed
         # as well, until one corrects them (``BlockModes.warm``; a few at most).
         cold = (bool(self.modes.views) and not self.modes.warm
-                and sum(self.modes.visits.values()) < COLD_TIMED_STEPS)
+                and sum(self.modes.visits.values()) < COLD_STEPS)
         return (self._want_detail or cold) and self.ex.budget is not None
 
     def begin_step(self) -> None:
