@@ -3,6 +3,7 @@ swaps or recomputes, bit for bit, under the budget, on CPU."""
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from dataclasses import replace
 
@@ -617,9 +618,10 @@ def test_a_first_step_timed_far_too_slow_steers_no_plan_after_the_next_timed_one
     # clamped, took five visits of a size to catch up. Here the first timed profile's compute
     # is multiplied by 30 as it is taken. The step after it is timed as well (the views are
     # cold), which corrects every cold view at once (``keep_views.thaw``) and plans every size
-    # again: from every size's second visit on, no prediction is off by 2x (without the thaw,
-    # steps 4 and 5 ran at 0.04x and 0.22x theirs; a size's first visit may run on another
-    # size's plan, and a full suite once read the third step at 2.2x).
+    # again: from every size's second visit on, predictions hold (without the thaw, steps 4
+    # and 5 ran at 0.04x and 0.22x theirs; a size's first visit may run on another size's
+    # plan, and a full suite once read the third step at 2.2x). Loose bounds on single steps:
+    # this machine's noise alone has doubled a step.
     from chameleon_swap.runtime import profiler as P
     finish, first = P.Profiler.finish, []
 
@@ -641,4 +643,5 @@ def test_a_first_step_timed_far_too_slow_steers_no_plan_after_the_next_timed_one
                                  model_kwarg=True, emulate_link="200MB/s", between=between)
     assert first and timed[:2] == [True, True] and cold[0] and not cold[1], (timed, cold)
     off = [s.step_seconds / s.predicted_step_seconds for s in history[3:]]
-    assert all(0.5 < r < 2 for r in off), [round(r, 2) for r in off]
+    assert all(1 / 3 < r < 3 for r in off), [round(r, 2) for r in off]
+    assert 2 / 3 < statistics.median(off) < 1.5, [round(r, 2) for r in off]

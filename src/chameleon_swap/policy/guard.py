@@ -133,6 +133,8 @@ class GuardPolicy:
         # waiting for them costs the rest of their copy, not a copy back.
         for other in sorted((r for r in list(ex.live) if r.state == OFFLOADING and r is not rec
                              and r.out_ticket is not None), key=lambda r: r.index):
+            if other.state != OFFLOADING or other.out_ticket is None:
+                continue     # completed or released while an earlier wait handled completions
             ex.wait_offload(other)
             if ex.resident_bytes + rec.nbytes <= ex.budget:
                 return True
@@ -143,7 +145,8 @@ class GuardPolicy:
             for other in sorted((r for r in list(ex.live) if r.state == RESIDENT and r.counted
                                  and not r.used and r not in ex._earlier),
                                 key=lambda r: r.index):
-                ex.offload(other)
+                if other.state != RESIDENT or not ex.offload(other):
+                    continue     # released by an earlier wait's completions, or put off
                 ex.wait_offload(other)
                 if ex.resident_bytes + rec.nbytes <= ex.budget:
                     return True
