@@ -131,8 +131,8 @@ class GuardPolicy:
                 return True
         # Copies out still in flight (sent late in forward, on a slow link) leave by themselves:
         # waiting for them costs the rest of their copy, not a copy back.
-        for other in sorted((r for r in list(ex.live) if r.state == OFFLOADING and r is not rec
-                             and r.out_ticket is not None), key=lambda r: r.index):
+        for other in sorted((r for r in list(ex.live) if r.state == OFFLOADING and r is not rec),
+                            key=lambda r: r.index):
             if other.state != OFFLOADING or other.out_ticket is None:
                 continue     # completed or released while an earlier wait handled completions
             ex.wait_offload(other)

@@ -88,39 +88,47 @@ def timed_compute(profile, calls: list) -> Optional[tuple[float, float]]:
     return (m_fwd, m_bwd) if min(m_fwd, m_bwd) > 0 else None
 
 
-def corrected(view: KeepView, measured: tuple[float, float],
-              input_bytes: int) -> Optional[KeepView]:
-    """``view`` at the size of ``input_bytes`` with its forward and backward compute set to the
-    ``measured`` ones (``timed_compute`` of steps in another mix); None when the view is within
-    ``MISS`` of them both ways."""
+def off_by(view: KeepView, measured: tuple[float, float],
+           input_bytes: int) -> Optional[tuple[float, float]]:
+    """Measured over ``view``'s compute scaled to ``input_bytes``, forward and backward apart
+    (unclamped); None where either side has none."""
     f = input_bytes / max(1, view.input_bytes)
     vp, n = view.profile, view.profile.n_forward
     fwd, bwd = f * sum(vp.compute[:n + 1]), f * sum(vp.compute[n + 1:])
     m_fwd, m_bwd = measured
     if min(fwd, bwd, m_fwd, m_bwd) <= 0:
         return None
+    return m_fwd / fwd, m_bwd / bwd
+
+
+def corrected(view: KeepView, measured: tuple[float, float],
+              input_bytes: int) -> Optional[KeepView]:
+    """``view`` at the size of ``input_bytes`` with its forward and backward compute set to the
+    ``measured`` ones (``timed_compute`` of steps in another mix); None when the view is within
+    ``MISS`` of them both ways."""
+    off = off_by(view, measured, input_bytes)
+    if off is None:
+        return None
     lo, hi = CORRECTION_CLAMP
-    ff, fb = min(hi, max(lo, m_fwd / fwd)), min(hi, max(lo, m_bwd / bwd))
+    ff, fb = (min(hi, max(lo, x)) for x in off)
     if abs(ff - 1) <= MISS and abs(fb - 1) <= MISS:
         return None
+    f = input_bytes / max(1, view.input_bytes)
     return scaled(view, f, input_bytes, seconds=(ff * f, fb * f))
 
 
 def thaw(views: dict, measured: tuple[float, float], input_bytes: int) -> bool:
     """Correct every cold view in ``views`` (key -> view, changed in place) by the factors a
     warm timed step (``measured``: its forward and backward, ``timed_compute``, at
-    ``input_bytes``) says the cold view nearest its size is off by; False when none is cold
-    or the step cannot tell."""
+    ``input_bytes``) says the cold view nearest its size is off by (``off_by``, unclamped);
+    False when none is cold or the step cannot tell."""
     cold = [k for k, v in views.items() if v.cold]
-    if not cold or min(measured) <= 0:
+    if not cold:
         return False
     near = min((views[k] for k in cold), key=lambda v: abs(v.input_bytes - input_bytes))
-    f = input_bytes / max(1, near.input_bytes)
-    vp, n = near.profile, near.profile.n_forward
-    fwd, bwd = f * sum(vp.compute[:n + 1]), f * sum(vp.compute[n + 1:])
-    if min(fwd, bwd) <= 0:
+    factors = off_by(near, measured, input_bytes)
+    if factors is None:
         return False
-    factors = (measured[0] / fwd, measured[1] / bwd)
     for k in cold:
         v = views[k]
         views[k] = replace(scaled(v, 1.0, v.input_bytes, seconds=factors), cold=False)
