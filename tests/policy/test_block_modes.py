@@ -549,6 +549,28 @@ def test_plans_from_the_first_steps_times_run_their_fallback_until_a_later_step_
     assert modes.plans[5].hybrid.predicted.moved_bytes > 0
 
 
+def test_a_size_planned_from_another_sizes_view_runs_its_fallback_until_it_has_its_own():
+    # A size's first plan comes from the nearest size's keep view, scaled: its copies are a guess
+    # (the CPU demo, 25%: a length first planned so kept three blocks and moved 3.9 MB, predicted
+    # 60-67 ms, and ran 84-102 ms where checkpointing ran 58-63). Warm or not, the plan's mix that
+    # moves nothing runs until the size has a view of its own; then the search's mix does.
+    from chameleon_swap.planning.modes import Block
+    from chameleon_swap.policy.keep_views import KeepView
+    modes, _, _, hp = _scripted_modes()
+    view = KeepView(hp.profile, [Block(2 * b, 2 * b + 2, 2e-3, 2**18) for b in range(4)],
+                    [0, 1, 2, 3], 1000)
+    budget = modes.plans.pop(5).budget
+    modes.views[4], modes.budget, modes.input_bytes, modes.warm = view, budget, 1000, True
+    modes._make(5)                               # key 5: no view of its own, key 4's scaled
+    first = modes.plans[5]
+    assert not first.measured and first.stand_in
+    assert first.hybrid.modes == hp.fallback.modes and not first.hybrid.predicted.moved_bytes
+    modes.views[5] = view                       # its own, as a timed step gives it
+    modes._make(5)
+    assert modes.plans[5].measured and not modes.plans[5].stand_in
+    assert modes.plans[5].hybrid.modes == hp.modes and modes.plans[5].hybrid.predicted.moved_bytes
+
+
 def test_a_first_plans_stand_in_is_not_kept_as_the_mix_the_size_runs():
     # A size keeps the mix it runs unless another is predicted 10% faster; the fallback that
     # stood in for a first plan was never chosen, so the plan made once warm is the search's

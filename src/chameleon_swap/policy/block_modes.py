@@ -21,9 +21,9 @@ step's size.
   first time a plan recomputes a block fully and selective was never measured, one such block runs
   selective for one step; its held bytes and recompute time, against its keep-view figures, give
   the ratios used for every block of the model from then on, and every key is planned again.
-* The first plans (from the first step's times, a warm-up) run their fallback until a later
-  step is timed (``mix_runs.until_warm``), which corrects the first step's views
-  (``keep_views.thaw``); then every size is planned again at once.
+* The first plans (from the first step's times, a warm-up), and a size's plans from a view
+  scaled from another size's, run their fallback (``mix_runs.until_warm``) until a later step
+  is timed (``keep_views.thaw``: every size planned again at once) or the size has its own view.
 * The guard holds the budget underneath whatever the plan says: a plan made for another size
   costs speed, never the budget.
 * Host room (``host_limit``: ``host_memory_limit``). Plans copy out at most what the host arena
@@ -376,7 +376,7 @@ class BlockModes:
                if old is not None and old.key == key and not old.stand_in else None)
         hp = plan_hybrid(prof, blocks, self.budget - self.margin.get(key, 0), host_limit=host,
                          measured=self.measured(key, view.block_ids), incumbent=now)
-        chosen, hp = hp, until_warm(hp, self.warm)
+        chosen, hp = hp, until_warm(hp, self.warm and measured)
         modes = dict(zip(view.block_ids, hp.modes))
         self.plans[key] = ModePlan(modes, dict(zip(view.block_ids, hp.working_set)),
                                    view.input_bytes, self.budget, measured, hp, key=key,

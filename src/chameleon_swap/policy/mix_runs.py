@@ -117,7 +117,9 @@ def until_warm(hp, warm: bool):
     full blocks, nothing moved), where it has one. A first step runs slow (warm-up: on an H200
     the demo's first plain step ran 2.6x its later time); planned from it, copies looked
     hidden, and the engine kept every block and moved the rest for ten steps at 3-9x
-    checkpointing's step time."""
+    checkpointing's step time. Also not ``warm``: a plan made from another size's view, scaled
+    (on the CPU demo such a plan kept three blocks and moved 3.9 MB, predicted 60-67 ms, and ran
+    84-102 ms where checkpointing ran 58-63 ms)."""
     if warm or hp.fallback is None or not (hp.predicted.moved_bytes or "selective" in hp.modes):
         return hp
     return hp.fallback
