@@ -92,3 +92,33 @@ def test_where_the_plain_step_differs_from_itself_a_leg_within_that_is_exact():
     same = choice.summarize(_steps({"swap only": [0, 1e-6, 0]}, [0, 0, 0]), *args)
     assert same["reference_reproducible"] is True and same["losses_exact"] is False
     assert "  losses identical across the four: NO" in choice.table(same)
+
+
+def test_the_legs_run_with_the_setup_frozen_out_of_full_collections(monkeypatch):
+    # A full collection of the whole process (130-180 ms with transformers loaded on this
+    # project's CPU) would land on whichever leg was running; the setup's objects are frozen
+    # out of them while the legs run, and given back after, also when a leg fails.
+    import gc
+
+    import chameleon_swap as cs
+    frozen = []
+    real = cs.Chameleon.step
+
+    def step(self, *args, **kwargs):
+        if self.budget_bytes is not None:             # the legs' engines (not the probes)
+            frozen.append(gc.get_freeze_count())
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(cs.Chameleon, "step", step)
+    before = gc.get_freeze_count()
+    choice.run_choice(torch.device("cpu"), 2, tiny=True)
+    assert frozen and min(frozen) > 1000
+    assert gc.get_freeze_count() == before
+
+    def boom(self, *args, **kwargs):
+        if self.budget_bytes is not None:
+            raise RuntimeError("leg failed")
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(cs.Chameleon, "step", boom)
+    with pytest.raises(RuntimeError, match="leg failed"):
+        choice.run_choice(torch.device("cpu"), 2, tiny=True)
+    assert gc.get_freeze_count() == before
