@@ -41,6 +41,7 @@ from typing import Callable, Optional
 
 from ..copy.host_pool import ALIGN
 from ..planning.modes import plan_hybrid, working_set
+from ..planning.quiet import plan_quiet
 from ..planning.signatures import step_size
 from . import keep_views
 from .checks import MISS     # a mix that ran this much slower than its plan said: plan again
@@ -299,8 +300,7 @@ class BlockModes:
                 self.plans[self.key] = back         # planned again on what both ran at
                 self.stale.add(self.key)
             return
-        pred = self.predicted_seconds() or float("inf")
-        ran = statistics.median(seen)
+        pred, ran = self.predicted_seconds() or float("inf"), statistics.median(seen)
         # Copies over MISS of the step on the link, or selective (one probe): checked anyway
         p = plan.hybrid.predicted
         unsure = (p.moved_bytes / min(self.bandwidth_fn()) > MISS * p.total_seconds
@@ -368,19 +368,19 @@ class BlockModes:
         blocks = [keep_views.with_ratios(prof, blk, self.sel_bytes_ratio, self.sel_seconds_ratio,
                                          self.full_seconds_ratio) for blk in view.blocks]
         # Host room: the limit less a page per span (every host buffer takes whole pages).
-        host = (None if self.host_limit is None
-                else max(0, self.host_limit - ALIGN * len(prof.spans)))
+        host = None if self.host_limit is None else max(0, self.host_limit - ALIGN * len(prof.spans))
         old = self.plans.get(key)
         # The mix the size runs stays unless another is clearly faster; a stand-in never does.
         now = (tuple(old.modes.get(b, "keep") for b in view.block_ids)
                if old is not None and old.key == key and not old.stand_in else None)
-        hp = plan_hybrid(prof, blocks, self.budget - self.margin.get(key, 0), host_limit=host,
-                         measured=self.measured(key, view.block_ids), incumbent=now)
-        chosen, hp = hp, until_warm(hp, self.warm and measured)
+        budget, trusted = self.budget - self.margin.get(key, 0), self.warm and measured
+        hp = (None if trusted else plan_quiet(prof, blocks, budget)) or until_warm(plan_hybrid(
+            prof, blocks, budget, host_limit=host, measured=self.measured(key, view.block_ids),
+            incumbent=now), trusted)
         modes = dict(zip(view.block_ids, hp.modes))
         self.plans[key] = ModePlan(modes, dict(zip(view.block_ids, hp.working_set)),
                                    view.input_bytes, self.budget, measured, hp, key=key,
-                                   move_seconds=prof.move_seconds, stand_in=hp is not chosen)
+                                   move_seconds=prof.move_seconds, stand_in=not trusted)
         pred = hp.predicted
         fits = pred.peak_bytes <= self.budget and not pred.forced_offloads
         if not fits and self.budget not in self.warned_budgets:
