@@ -11,7 +11,7 @@ step's size.
 * Keep views (``keep_views``): the step as it is with every block kept, measured on a detailed
   step that ran so (the very first step does), else the nearest one scaled to the size. Timed
   steps in other mixes correct the view its size plans from, and the size is planned again.
-* Planning again is rationed to ``PLANNING_SHARE`` of the steps' time (a thaw's plans are
+  Planning again is rationed to ``PLANNING_SHARE`` of the steps' time (a thaw's plans are
   free), and a size whose replans keep choosing its mix waits 2, 4, 8... of its steps between
   them (``fruitless``): on the CPU demo each was 40-80 ms on 50-70 ms steps.
 * What ran outranks what was predicted (``mix_runs``): mixes that ran are ranked by their step
@@ -50,7 +50,7 @@ from .mix_runs import ModePlan, MixRuns, Trials, no_host_room, no_mix_fits, unti
 
 REPLAN_BUDGET_CHANGE = 0.05     # a budget that moved by more than this re-plans the key
 REPLAN_MOVE_CHANGE = 0.3       # so does a cost of a move that changed by more than this
-PLANNING_SHARE = 0.10           # planning again takes at most this share of the steps' time
+PLANNING_SHARE = 0.05           # planning again takes at most this share of the steps' time
 FIRST_PLANS_FALL_BACK = True    # plans from the first step's times run their fallback (_plan_key)
 COLD_STEPS = 4                  # ... at most this many steps (then warm, whatever was timed)
 
@@ -179,9 +179,10 @@ class BlockModes:
             self.fruitless[key] = (n, self.visits.get(key, 0) + (2 ** n if n else 0))
 
     def may_replan(self) -> bool:
-        """Planning again fits its share of the steps' time. First plans are made anyway, and
-        charged (freed, the CPU demo planned more early and ran 1.29-1.37x checkpointing's time
-        in three runs, against 1.12-1.31x); at a quarter share it ran 1.04-1.78x."""
+        """Planning again fits its share of the steps' time; first plans are made anyway, and
+        charged (freed, the CPU demo ran 1.29-1.37x checkpointing's time, against 1.12-1.31x).
+        A twentieth: first plans cheap (``planning/quiet.py``), a tenth left room for replans
+        between mixes (demo: 1.25-1.35x checkpointing's time in three runs, 1.20-1.23x in two)."""
         return self.planning_seconds - self.unrationed <= PLANNING_SHARE * self.trained_seconds
 
     def run_full(self, b: int, estimate: int, input_bytes: int) -> str:
@@ -240,8 +241,7 @@ class BlockModes:
             self._warmed(sum(self.visits.values()) > 1)
             self._thaw(self.warm and keep_views.timed_compute(profile, calls))
         elif profile.detailed:
-            timed = keep_views.timed_compute(profile, calls)
-            self._thaw(timed)
+            self._thaw(timed := keep_views.timed_compute(profile, calls))
             view = self.views.get(self.key) or self._view_near(self.input_bytes)
             now = timed and keep_views.settled(self.timed.setdefault(self.key, []), timed)
             better = view and now and keep_views.corrected(view, now, self.input_bytes)
