@@ -277,6 +277,7 @@ class Chameleon:
                              accountant=self._ex, clock=self._profiler.clock)
         runner.working_set_fn = policy.working_set
         policy.modes.eligible = list(runner.eligible)
+        policy.modes.selective_safe = runner.selective_safe
         runner.install()
         return runner
 

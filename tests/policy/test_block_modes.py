@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn as nn
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import chameleon_swap as cs
@@ -137,6 +137,10 @@ def test_llama_at_half_its_peak_on_a_slow_link_recomputes(clock, request):
            "dim": st.sampled_from([4, 8]), "seed": st.integers(0, 2**16)}),
        lengths=st.lists(st.integers(2, 9), min_size=2, max_size=4),
        fraction=st.floats(0.0, 1.0), link=st.sampled_from([SLOW, FAST]))
+# Found by this test: the selective probe ran the relu_inplace block selective, and PyTorch's
+# selective checkpointing raised in backward (relu_ wrote into the linear's kept output).
+@example(spec={"blocks": ["linear", "attention", "relu_inplace", "linear"], "dim": 4, "seed": 0},
+         lengths=[8, 5, 5], fraction=0.7730622574491768, link=SLOW)
 def test_random_models_bitwise_and_budget_with_recompute(spec, lengths, fraction, link):
     model = random_model(spec)
     ref = copy.deepcopy(model)
@@ -576,6 +580,38 @@ def test_a_size_planned_from_another_sizes_view_runs_its_fallback_until_it_has_i
     modes._make(5)
     assert modes.plans[5].measured and not modes.plans[5].stand_in
     assert modes.plans[5].hybrid.modes == hp.modes and modes.plans[5].hybrid.predicted.moved_bytes
+
+
+def test_selective_is_planned_and_probed_only_where_the_runner_saw_it_can_run():
+    # Selective figures known and cheap: a warm plan recomputes selectively. Blocks whose kept
+    # run showed that selective checkpointing would fail them (the runner's selective_safe, a
+    # list it changes in place) get no selective figures, so no plan runs them selective and
+    # the probe that measures selective never picks them.
+    from chameleon_swap.planning.modes import Block
+    from chameleon_swap.policy.keep_views import KeepView
+    modes, _, _, hp = _scripted_modes()
+    view = KeepView(hp.profile, [Block(2 * b, 2 * b + 2, 2e-3, 2**18) for b in range(4)],
+                    [0, 1, 2, 3], 1000)
+    budget = modes.plans.pop(5).budget
+    modes.views[5], modes.budget, modes.input_bytes, modes.warm = view, budget, 1000, True
+    modes.sel_bytes_ratio, modes.sel_seconds_ratio = 0.05, 0.05
+    modes.bandwidth_fn = lambda: (1e6, 1e6)       # a slow link: copies cannot hide
+    modes.selective_safe = [True] * 4
+    modes._make(5)
+    assert "selective" in modes.plans[5].hybrid.modes
+    modes.selective_safe[:] = [False, True, False, True]
+    modes._make(5)
+    ran = modes.plans[5].hybrid.modes
+    assert ran[0] != "selective" and ran[2] != "selective", ran
+    modes.selective_safe[:] = [False] * 4
+    modes._make(5)
+    assert "selective" not in modes.plans[5].hybrid.modes
+    modes.sel_bytes_ratio = modes.sel_seconds_ratio = None        # not measured yet: a probe
+    modes._make(5)
+    assert "full" in modes.plans[5].hybrid.modes and modes._probe is None and not modes._probed
+    modes.selective_safe[:] = [True] * 4
+    modes._make(5)
+    assert modes._probe is not None and modes.plans[5].modes[modes._probe] == "full"
 
 
 def test_a_first_plans_stand_in_is_not_kept_as_the_mix_the_size_runs():

@@ -573,3 +573,20 @@ def test_full_blocks_survive_a_second_backward_with_retain_graph():
         calls = runner.end_step(False)
     assert_bitwise(ref_loss.detach(), grads(ref), loss.detach(), grads(model))
     assert acc.outstanding == 0 and all(c.recomputed_bytes == 7 for c in calls)
+
+
+def test_a_block_selective_checkpointing_would_fail_runs_full_once_its_kept_run_showed_it():
+    # relu_ writes into the output of the linear before it, which selective checkpointing keeps:
+    # PyTorch then raises in backward ("... has been mutated"). The block's first call, run
+    # kept, shows it (selective.MutationWatch); asked to run selective later, it runs full. So
+    # does a block whose output is a kept op's own output (a later block may write into it);
+    # one that ends in a residual add runs selective.
+    from _models import random_model
+    model = random_model({"blocks": ["relu_inplace", "linear", "residual"], "dim": 4, "seed": 0})
+    batches = [(randn(2, T, 4, seed=T),) for T in (5, 7, 6)]
+    asked = iter(["keep"] * 3 + ["selective"] * 6)
+    calls, _, runner = run_both(model, batches, lambda b: next(asked), lambda m, b: m(*b))
+    assert runner.selective_safe == [False, False, True]
+    assert [c.mode for c in calls[0]] == ["keep"] * 3
+    for step in calls[1:]:
+        assert [c.mode for c in step] == ["full", "full", "selective"]

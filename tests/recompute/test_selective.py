@@ -49,3 +49,33 @@ def test_the_contexts_report_each_kept_output_and_keep_gradients(monkeypatch, op
     assert shapes[0] == (15, 6)                  # x @ w.t(): one mm over the flattened rows
     # The fused attention kernel: its output and its logsumexp (all it returns), nothing else.
     assert len(shapes) == 2 and shapes[1][0] == (3, 1, 5, 6) and len(shapes[1]) == 2
+
+
+def test_a_write_into_a_kept_output_is_seen_and_what_selective_would_do_with_it():
+    # Selective checkpointing keeps a matmul's output; an op that then writes into it in place
+    # makes the recompute raise in the middle of backward. MutationWatch, on a kept run, sees it.
+    lin = torch.nn.Linear(4, 4)
+    x = randn(2, 3, 4, seed=0).requires_grad_()
+
+    def inplace(x):
+        return F.relu(lin(x), inplace=True)
+
+    def fresh(x):
+        return F.relu(lin(x))
+    with selective.MutationWatch() as w:
+        out = inplace(x)
+    assert w.unsafe
+    with selective.MutationWatch() as w:
+        out = fresh(x)
+    assert not w.unsafe and not selective.aliases(w.outputs, out)
+    with selective.MutationWatch() as w:
+        out = lin(x)                                  # its output is the kept op's own
+    assert not w.unsafe and selective.aliases(w.outputs, out)
+    # What the watch guards against: PyTorch's own check, in backward.
+    loss = checkpoint(lambda x: inplace(x).sum(), x, use_reentrant=False,
+                      context_fn=lambda: selective_contexts(lambda out: None))
+    with pytest.raises(RuntimeError, match="selective activation checkpoint has been mutated"):
+        loss.backward()
+    loss = checkpoint(lambda x: fresh(x).sum(), x, use_reentrant=False,
+                      context_fn=lambda: selective_contexts(lambda out: None))
+    loss.backward()

@@ -46,7 +46,8 @@ from ..planning.signatures import step_size
 from . import keep_views
 from .checks import MISS     # a mix that ran this much slower than its plan said: plan again
 from .keep_views import KeepView, scaled
-from .mix_runs import ModePlan, MixRuns, Trials, no_host_room, no_mix_fits, until_warm
+from .mix_runs import (ModePlan, MixRuns, Trials, no_host_room, no_mix_fits, source,
+                       until_warm)
 
 REPLAN_BUDGET_CHANGE = 0.05     # a budget that moved by more than this re-plans the key
 REPLAN_MOVE_CHANGE = 0.3       # so does a cost of a move that changed by more than this
@@ -68,6 +69,7 @@ class BlockModes:
         self._probe: Optional[int] = None               # block to run selective once
         self._probed = False
         self.eligible: list[bool] = []                  # per runner block (set by the engine)
+        self.selective_safe: list = []                  # the runner's own list (see _sel_ok)
         self.visits: dict[int, int] = {}                # steps run per key
         self.compute_scale: dict[int, float] = {}       # per key: measured / predicted compute
         self.margin: dict[int, int] = {}                # per key: bytes the model missed
@@ -141,19 +143,8 @@ class BlockModes:
         return float(pred.total_seconds) * self.input_bytes / max(1, p.input_bytes)
 
     def source(self) -> Optional[str]:
-        """plan_source of this step with ``model=``: "replanned" (the first step on a plan made
-        again after its predictions missed), "cache" (a size seen before, on its own plan, found
-        in the plans kept per size), "planned" (the first visit of a size: its plan is made, or
-        the nearest size's plan stands in); None when no mode plan ran."""
-        p = self.plan
-        if p is None or self.key is None:
-            return None
-        if p.replanned:
-            p.replanned = False
-            return "replanned"
-        if p.key == self.key and self.visits.get(self.key, 0) > 0:
-            return "cache"
-        return "planned"
+        """plan_source of this step with ``model=`` (``mix_runs.source``)."""
+        return source(self.plan, self.key, self.visits)
 
     def replan(self, key: int, compute_factor: float, missed_bytes: int = 0) -> None:
         """Correct the key's compute by ``compute_factor`` and its memory by ``missed_bytes``
@@ -365,8 +356,10 @@ class BlockModes:
         d2h, h2d = self.bandwidth_fn()
         prof = replace(view.profile, d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d,
                        move_seconds=self.move_fn())
-        blocks = [keep_views.with_ratios(prof, blk, self.sel_bytes_ratio, self.sel_seconds_ratio,
-                                         self.full_seconds_ratio) for blk in view.blocks]
+        sel = self.sel_bytes_ratio, self.sel_seconds_ratio     # (none where it cannot run)
+        blocks = [keep_views.with_ratios(prof, blk, *(sel if self._sel_ok(b) else (None, None)),
+                                         self.full_seconds_ratio)
+                  for b, blk in zip(view.block_ids, view.blocks)]
         # Host room: the limit less a page per span (every host buffer takes whole pages).
         host = None if self.host_limit is None else max(0, self.host_limit - ALIGN * len(prof.spans))
         old = self.plans.get(key)
@@ -389,11 +382,18 @@ class BlockModes:
         if host is not None and pred.moved_bytes > host and not self.warned_host:
             self.warned_host = True
             warnings.warn(no_host_room(self.host_limit, hp), RuntimeWarning, stacklevel=2)
-        if (not self._probed and self._probe is None and self.sel_bytes_ratio is None
-                and "full" in hp.modes and self.warm):     # (not for a warm-up fallback's)
+        if not self._probed and self._probe is None and self.sel_bytes_ratio is None \
+                and self.warm:                             # (not for a warm-up fallback's)
             # The last full block in forward order: its kept outputs are held the shortest
             # (its backward comes first), and then only as part of its working set.
-            self._probe = max(b for b, m in modes.items() if m == "full")
+            self._probe = max((b for b, m in modes.items() if m == "full" and self._sel_ok(b)),
+                              default=None)
+
+    def _sel_ok(self, b: int) -> bool:
+        """Selective checkpointing can run block ``b`` (``BlockRunner.selective_safe``; every
+        block where no runner says)."""
+        s = self.selective_safe
+        return not s or (b < len(s) and s[b] is True)
 
 
 def _moved(planned, now, share: float) -> bool:

@@ -111,6 +111,21 @@ class Trials:
         return plan if seconds > ran * (1 - SWITCH_GAIN) else None
 
 
+def source(p: Optional[ModePlan], key: Optional[int], visits: dict) -> Optional[str]:
+    """plan_source of a step run on mode plan ``p`` at size ``key``: "replanned" (the first step
+    on a plan made again after its predictions missed), "cache" (a size seen before, on its own
+    plan, found in the plans kept per size), "planned" (the first visit of a size: its plan is
+    made, or the nearest size's plan stands in); None when no mode plan ran."""
+    if p is None or key is None:
+        return None
+    if p.replanned:
+        p.replanned = False
+        return "replanned"
+    if p.key == key and visits.get(key, 0) > 0:
+        return "cache"
+    return "planned"
+
+
 def until_warm(hp, warm: bool):
     """The mix to run of mode plan ``hp``: where compute was timed on the engine's first step
     alone (not ``warm``) and the plan copies or recomputes selectively, its fallback (kept and

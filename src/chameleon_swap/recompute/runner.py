@@ -160,6 +160,11 @@ class BlockRunner:
         self._ancestors = [[model.get_submodule(".".join(names[id(b)].split(".")[:k]))
                             for k in range(names[id(b)].count(".") + 1)] for b in self.blocks]
         self._user_ckpt = [False] * len(self.blocks)   # seen checkpointing inside, at run time
+        # Per block: whether selective checkpointing can run it (selective.MutationWatch, on
+        # its first call run kept; None: not known yet). A block asked to run selective where
+        # it is known not to be runs full; the policy asks only where it is known to be (it
+        # holds this list: changed in place).
+        self.selective_safe: list[Optional[bool]] = [None] * len(self.blocks)
         self.eligible: list[bool] = []
         self._refresh_eligible()
         self._saved: dict[int, tuple] = {}           # block index -> (wrapper, previous attr)
@@ -273,6 +278,8 @@ class BlockRunner:
             mode = self.mode_fn(i)
             if mode not in MODES:
                 raise ValueError(f"mode_fn({i}) must return one of {MODES}; got {mode!r}")
+            if mode == "selective" and self.selective_safe[i] is False:
+                mode = "full"            # selective checkpointing would fail it in backward
         call = BlockCall(i, mode, self.input_bytes, self._index(), -1)
         self._calls.append(call)
         start = self.clock.mark() if self._detailed else None
@@ -280,6 +287,12 @@ class BlockRunner:
         try:
             if not self.eligible[i]:
                 out = orig(*args, **kwargs)
+            elif mode == "keep" and self.selective_safe[i] is None:
+                with selective.MutationWatch() as watch:
+                    out = self._probed(i, orig, args, kwargs)
+                # Unsafe too where its output is a kept op's: a later block may write into it.
+                self.selective_safe[i] = not (watch.unsafe or selective.aliases(watch.outputs,
+                                                                                  out))
             elif mode == "keep":
                 out = self._probed(i, orig, args, kwargs)
             else:

@@ -68,3 +68,54 @@ def selective_contexts(on_output):
         with caching, _KeepObserver(on_output):
             yield
     return forward_ctx(), cached
+
+
+class MutationWatch(TorchDispatchMode):
+    """Watches a block run kept for what makes selective checkpointing fail on it: an op that
+    writes in place into the output of an op selective checkpointing would keep (a matmul's
+    output made ``relu_``'s input). Selective checkpointing caches that output in forward and, at
+    the recompute, raises ("Tensor cached during selective activation checkpoint has been
+    mutated") in the middle of backward, where the step cannot be saved. ``unsafe`` is True
+    once such a write is seen; ``outputs`` holds the storages of the kept ops' outputs, for
+    the caller to check against the block's own output (a later block may write into it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: set = set()
+        self.unsafe = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.outputs and not self.unsafe and func._schema.is_mutable:
+            self.unsafe = any(_key(t) in self.outputs for t in _written(func, args, kwargs))
+        out = func(*args, **kwargs)
+        if saves_output(func):
+            self.outputs.update(_key(t) for t in _tensors(out))
+        return out
+
+
+def aliases(outputs: set, value) -> bool:
+    """Whether any tensor in ``value`` (a block's output) shares storage with ``outputs``."""
+    return any(_key(t) in outputs for t in _tensors(value))
+
+
+def _written(func, args: tuple, kwargs: dict):
+    """The tensors ``func`` writes into (its arguments marked written in its schema)."""
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            yield from _tensors(args[i] if i < len(args) else kwargs.get(a.name))
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
