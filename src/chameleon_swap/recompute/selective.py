@@ -8,6 +8,7 @@ import inspect
 import torch
 from torch.utils.checkpoint import (CheckpointPolicy, SelectiveCheckpointContext,
                                     create_selective_checkpoint_contexts)
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Outputs selective checkpointing keeps: matmuls and attention (expensive to recompute, and what
@@ -77,26 +78,37 @@ class MutationWatch(TorchDispatchMode):
     the recompute, raises ("Tensor cached during selective activation checkpoint has been
     mutated") in the middle of backward, where the step cannot be saved. ``unsafe`` is True
     once such a write is seen; ``outputs`` holds the storages of the kept ops' outputs, for
-    the caller to check against the block's own output (a later block may write into it)."""
+    the caller to check against the block's own output (a later block may write into it).
+
+    Storages are known by weak references (``StorageWeakRef``): they hold no bytes, and while
+    one is held its storage's address cannot be taken by a later one (a plain address was:
+    freed intermediates' addresses came back, and a block was read unsafe one run in three)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.outputs: set = set()
+        self.outputs: dict = {}
         self.unsafe = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.outputs and not self.unsafe and func._schema.is_mutable:
-            self.unsafe = any(_key(t) in self.outputs for t in _written(func, args, kwargs))
+            self.unsafe = any(_kept(self.outputs, t) for t in _written(func, args, kwargs))
         out = func(*args, **kwargs)
         if saves_output(func):
-            self.outputs.update(_key(t) for t in _tensors(out))
+            for t in _tensors(out):
+                ref = StorageWeakRef(t.untyped_storage())
+                self.outputs[ref.cdata] = ref
         return out
 
 
-def aliases(outputs: set, value) -> bool:
+def aliases(outputs: dict, value) -> bool:
     """Whether any tensor in ``value`` (a block's output) shares storage with ``outputs``."""
-    return any(_key(t) in outputs for t in _tensors(value))
+    return any(_kept(outputs, t) for t in _tensors(value))
+
+
+def _kept(outputs: dict, t: torch.Tensor) -> bool:
+    ref = outputs.get(t.untyped_storage()._cdata)
+    return ref is not None and not ref.expired()
 
 
 def _written(func, args: tuple, kwargs: dict):
@@ -115,7 +127,3 @@ def _tensors(value):
     elif isinstance(value, dict):
         for v in value.values():
             yield from _tensors(v)
-
-
-def _key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
