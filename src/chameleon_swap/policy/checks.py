@@ -50,8 +50,8 @@ COOLDOWN = 4                # steps of a key after a correction before it is che
                             # loaded machine's noise must not keep the planner busy
 COMPUTE_CLAMP = (0.25, 4.0)  # a correction of compute by more than this is not believed
 MIN_LINK_SECONDS = 1e-3     # copying time below which a direction's bandwidth is not measured
-MOVE_MEAN_WEIGHT = 0.5      # weight of the newest step in the running mean of a move's cost,
-                            # among steps that moved as many tensors (a step weighs by its moves)
+MOVE_MEAN_WEIGHT = 0.5      # weight of the newest step in the running mean of a move's cost
+MOVES_FULL_WEIGHT = 16      # ... where it timed this many moves or more; fewer, in proportion
 
 
 class PlanChecks:
@@ -65,7 +65,6 @@ class PlanChecks:
         # link the steps do not run on, so no step can confirm or refute it.
         self.enabled = True
         self.move_measured: Optional[float] = None   # host seconds per moved span, timed
-        self._moves = (0.0, 0.0)     # decayed (seconds, moves) the running mean is made of
 
     def move_seconds(self) -> float:
         """Host seconds one moved span costs the step, for the timeline (``move_seconds``): the
@@ -77,14 +76,15 @@ class PlanChecks:
         each = profile.move_seconds_each
         if each is None:
             return
-        # Weighed by the moves timed: a step that moved one small tensor (an all-full mix the
-        # guard helped once) says little, and equal weights let it move the mean by a third and
-        # more, which planned the size again (50-90 ms, on a 4-block Llama every few steps).
-        n = max(1, getattr(profile, "moved", 1))
-        secs, moves = self._moves
-        decay = 1 - MOVE_MEAN_WEIGHT
-        self._moves = secs * decay + each * n, moves * decay + n
-        self.move_measured = self._moves[0] / self._moves[1]
+        # A step that timed few moves (an all-full mix the guard helped with one small tensor)
+        # says little: at full weight it moved the mean by a third and more, which planned the
+        # size again (50-90 ms, on a 4-block Llama every few steps). It weighs in proportion.
+        # (Weighed by its moves alone, the first step's many slow moves held the mean high for
+        # good, and the emulated-link benchmark wandered between mixes at 50%.)
+        old = self.move_measured
+        w = MOVE_MEAN_WEIGHT * min(1.0, getattr(profile, "moved", MOVES_FULL_WEIGHT)
+                                   / MOVES_FULL_WEIGHT)
+        self.move_measured = each if old is None else old + w * (each - old)
 
     def observe(self, key: Hashable, predicted: Optional[float], measured: float) -> bool:
         """Record a step of ``key``; True when it is time to correct the model and plan again."""
