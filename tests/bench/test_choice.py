@@ -122,3 +122,12 @@ def test_the_legs_run_with_the_setup_frozen_out_of_full_collections(monkeypatch)
     with pytest.raises(RuntimeError, match="leg failed"):
         choice.run_choice(torch.device("cpu"), 2, tiny=True)
     assert gc.get_freeze_count() == before
+    # A caller that froze objects of its own keeps them frozen.
+    monkeypatch.setattr(cs.Chameleon, "step", real)
+    gc.freeze()
+    try:
+        mine = gc.get_freeze_count()
+        choice.run_choice(torch.device("cpu"), 2, tiny=True)
+        assert gc.get_freeze_count() > 0.9 * mine > 0     # (frozen objects may still die)
+    finally:
+        gc.unfreeze()

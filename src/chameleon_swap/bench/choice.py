@@ -130,9 +130,12 @@ def run_choice(device: torch.device, steps: int,
     # loaded: 130-180 ms on this project's CPU, two to three steps of a leg), and the one or two
     # that fall in these steps land on whichever leg allocates when the count runs over. The
     # setup's objects are frozen out of them (``gc.freeze``, as a training script may do once
-    # its model is built), so that no leg pays for the size of the process.
-    gc.collect()
-    gc.freeze()
+    # its model is built), so that no leg pays for the size of the process. Where the caller
+    # froze objects already, they are left as they are (unfreeze would thaw theirs too).
+    ours = gc.get_freeze_count() == 0
+    if ours:
+        gc.collect()
+        gc.freeze()
     try:
         for i, T in enumerate(lengths):
             order = LEGS[i % len(LEGS):] + LEGS[:i % len(LEGS)] + again
@@ -170,7 +173,8 @@ def run_choice(device: torch.device, steps: int,
                 row["reference_diff"] = abs(again_loss.item() - row["none"]["loss"])
             per_step.append(row)
     finally:
-        gc.unfreeze()
+        if ours:
+            gc.unfreeze()
         for eng in engines.values():
             eng.close()
     peaks = {"none": {T: saved_peak(base, T) for T in batches},

@@ -2,13 +2,15 @@
 
 A plan made from figures the engine does not trust yet (the engine's first step, a warm-up; a
 size's view scaled from another size's) runs a mix that moves nothing and recomputes nothing
-selectively (``policy/mix_runs.until_warm``): the copies such figures predict are guesses, and
-on the CPU demo and on an H100 they ran 1.4-9x their prediction. Only that mix is needed then, and
-it needs no swap search: a mix that moves nothing is one simulation. ``plan_quiet`` finds it along
+selectively (``policy/mix_runs.until_warm``): the copies such figures predict are guesses (on the
+CPU demo a scaled view's mix ran 1.3-1.7x its prediction; on an H200, plans from the first step
+kept every block and ran 3-9x checkpointing's step time). Only that mix is needed then, and it
+needs no swap search: a mix that moves nothing is one simulation. ``plan_quiet`` finds it along
 the mode search's conversion order (the blocks whose activations wait the least in the link's
 window convert first) and along its reverse: every count of converted blocks whose unmoved peak
-fits the budget is simulated, the least predicted time wins (ties: fewer recomputed). On the demo's model its search
-cost 1-5 ms where the full mode search (whose result such a plan would not run) cost 24-72 ms.
+fits the budget is simulated, the least predicted time wins (ties: fewer recomputed). On the
+demo's model its search cost 1-5 ms where the full mode search (whose result such a plan would
+not run) cost 24-72 ms.
 """
 from __future__ import annotations
 

@@ -361,7 +361,8 @@ class BlockModes:
                                          self.full_seconds_ratio)
                   for b, blk in zip(view.block_ids, view.blocks)]
         # Host room: the limit less a page per span (every host buffer takes whole pages).
-        host = None if self.host_limit is None else max(0, self.host_limit - ALIGN * len(prof.spans))
+        host = (None if self.host_limit is None
+                else max(0, self.host_limit - ALIGN * len(prof.spans)))
         old = self.plans.get(key)
         # The mix the size runs stays unless another is clearly faster; a stand-in never does.
         now = (tuple(old.modes.get(b, "keep") for b in view.block_ids)
@@ -390,8 +391,7 @@ class BlockModes:
                               default=None)
 
     def _sel_ok(self, b: int) -> bool:
-        """Selective checkpointing can run block ``b`` (``BlockRunner.selective_safe``; every
-        block where no runner says)."""
+        """Selective can run block ``b`` (``BlockRunner.selective_safe``; any, with no runner)."""
         s = self.selective_safe
         return not s or (b < len(s) and s[b] is True)
 
