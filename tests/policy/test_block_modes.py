@@ -526,6 +526,15 @@ def test_a_replan_put_off_takes_no_second_correction_against_the_same_plan(monke
 
 
 # --------------------------------------------------------------------------- the first plans
+def _scripted_view(hp):
+    """The keep view of ``_scripted_modes``'s size: its plan's profile (every block kept) and
+    its four blocks, at 1000 input bytes."""
+    from chameleon_swap.planning.modes import Block
+    from chameleon_swap.policy.keep_views import KeepView
+    return KeepView(hp.profile, [Block(2 * b, 2 * b + 2, 2e-3, 2**18) for b in range(4)],
+                    [0, 1, 2, 3], 1000)
+
+
 def _quiet(plan, searched, budget) -> bool:
     """``plan`` is the quiet mix (``planning/quiet.py``: kept and full blocks, nothing moved,
     fitting ``budget``), at least as fast as the fallback the full search (``searched``)
@@ -540,14 +549,12 @@ def test_plans_from_the_first_steps_times_run_their_fallback_until_a_later_step_
     # step, copies looked hidden, and the engine kept every block and moved the rest for ten
     # steps at 3-9x checkpointing's time. Until compute is timed again the plan's mix that
     # moves nothing runs (no selective probe either); then every size is planned again.
-    from chameleon_swap.planning.modes import Block, plan_hybrid
+    from chameleon_swap.planning.modes import plan_hybrid
     from chameleon_swap.policy import block_modes
-    from chameleon_swap.policy.keep_views import KeepView
     modes, _, _, hp = _scripted_modes()
     assert block_modes.FIRST_PLANS_FALL_BACK and not modes.warm
     assert set(hp.modes) == {"keep"}            # so its profile is the keep view's
-    view = KeepView(hp.profile, [Block(2 * b, 2 * b + 2, 2e-3, 2**18) for b in range(4)],
-                    [0, 1, 2, 3], 1000)
+    view = _scripted_view(hp)
     modes.views[5], modes.budget, modes.input_bytes = view, modes.plans[5].budget, 1000
     del modes.plans[5]
     modes._make(5)
@@ -566,11 +573,8 @@ def test_a_size_planned_from_another_sizes_view_runs_its_fallback_until_it_has_i
     # (the CPU demo, 25%: a length first planned so kept three blocks and moved 3.9 MB, predicted
     # 60-67 ms, and ran 84-102 ms where checkpointing ran 58-63). Warm or not, the plan's mix that
     # moves nothing runs until the size has a view of its own; then the search's mix does.
-    from chameleon_swap.planning.modes import Block
-    from chameleon_swap.policy.keep_views import KeepView
     modes, _, _, hp = _scripted_modes()
-    view = KeepView(hp.profile, [Block(2 * b, 2 * b + 2, 2e-3, 2**18) for b in range(4)],
-                    [0, 1, 2, 3], 1000)
+    view = _scripted_view(hp)
     budget = modes.plans.pop(5).budget
     modes.views[4], modes.budget, modes.input_bytes, modes.warm = view, budget, 1000, True
     modes._make(5)                               # key 5: no view of its own, key 4's scaled
@@ -587,11 +591,8 @@ def test_selective_is_planned_and_probed_only_where_the_runner_saw_it_can_run():
     # run showed that selective checkpointing would fail them (the runner's selective_safe, a
     # list it changes in place) get no selective figures, so no plan runs them selective and
     # the probe that measures selective never picks them.
-    from chameleon_swap.planning.modes import Block
-    from chameleon_swap.policy.keep_views import KeepView
     modes, _, _, hp = _scripted_modes()
-    view = KeepView(hp.profile, [Block(2 * b, 2 * b + 2, 2e-3, 2**18) for b in range(4)],
-                    [0, 1, 2, 3], 1000)
+    view = _scripted_view(hp)
     budget = modes.plans.pop(5).budget
     modes.views[5], modes.budget, modes.input_bytes, modes.warm = view, budget, 1000, True
     modes.sel_bytes_ratio, modes.sel_seconds_ratio = 0.05, 0.05
