@@ -225,10 +225,7 @@ def plan_hybrid(profile: Profile, blocks: Sequence[Block], budget: Optional[int]
     if budget is None or unmoved_peak(profile) <= budget:
         return _made(profile, blocks, keep, Plan(frozenset(), {}, budget,
                                                  simulate(profile, Plan(frozenset()), budget)))
-    # A block whose recompute, with its inputs, holds more than the budget cannot recompute
-    # within it: the runtime runs it keep (``BlockModes.mode``), so the search does too.
-    blocks = [replace(b, eligible=False) if b.eligible and working_set(profile, b) > budget
-              else b for b in blocks]
+    blocks = recomputable(profile, blocks, budget)
     search = _ModeSearch(profile, blocks, budget, host_limit, measured)
     best = search.run(incumbent)
     # The search compared quick swap plans, the three uniform mixes (swap only, all selective
@@ -246,6 +243,14 @@ def plan_hybrid(profile: Profile, blocks: Sequence[Block], budget: Optional[int]
         fallback = _made(search.view(fb), blocks, fb, search.plans[fb], profile)
         made = replace(made, fallback=fallback)
     return made
+
+
+def recomputable(profile: Profile, blocks: Sequence[Block], budget: int) -> list[Block]:
+    """``blocks``, those whose recompute with its inputs holds more than ``budget`` made
+    ineligible: such a block cannot recompute within it, and the runtime runs it keep
+    (``BlockModes.mode``), so the searches do too."""
+    return [replace(b, eligible=False) if b.eligible and working_set(profile, b) > budget
+            else b for b in blocks]
 
 
 def _made(view: Profile, blocks, modes, swap: Plan, keep_view: Optional[Profile] = None):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from .modes import Block, HybridPlan, _made, apply_modes, conversion_order, working_set
+from .modes import Block, HybridPlan, _made, apply_modes, conversion_order, recomputable
 from .timeline import Plan, Profile, simulate, unmoved_peak
 
 
@@ -26,9 +26,7 @@ def plan_quiet(profile: Profile, blocks: Sequence[Block], budget: int) -> Option
     keep = tuple("keep" for _ in blocks)
     if unmoved_peak(profile) <= budget:
         return _made(profile, blocks, keep, _nothing_moved(profile, budget))
-    # As plan_hybrid: a block whose recompute with its inputs exceeds the budget stays kept.
-    order = [b for b in conversion_order(profile, blocks)
-             if working_set(profile, blocks[b]) <= budget]
+    order = conversion_order(profile, recomputable(profile, blocks, budget))
     best: dict = {}
     # Two orders: the mode search's, and its reverse (the first blocks in forward order: their
     # recomputes run at the end of backward, when little else is held, so each frees more of
