@@ -473,6 +473,35 @@ def test_a_slow_allocator_makes_the_wait_measurable_and_it_is_reported(monkeypat
         HostPool(2**20, pin=False, alloc_delay_s_per_gib=-1)
 
 
+def test_allocating_seconds_counts_the_allocations_of_every_thread_within_a_window(monkeypatch):
+    """``allocating_seconds`` (what the policy reads to tell a step slowed by pinning,
+    ``checks.pinned``): slab allocations on the acquiring thread and on the grow-ahead thread
+    alike, only the part inside the window, and one still under way up to the window's end.
+    The real clock, with the allocator slowed by the testing hook."""
+    import time
+    monkeypatch.setenv(host_pool.ALLOC_DELAY_ENV, "4")           # 4 s per GiB: 16 MiB = 62 ms
+    pool = HostPool(2**30, pin=False, ahead=True, chunk_bytes=16 * MiB)
+    one = 4 * 16 / 1024
+    try:
+        t0 = time.perf_counter()
+        a = pool.acquire(16 * MiB)                  # allocates on this thread, asks for more
+        t1 = time.perf_counter()
+        assert one * 0.99 <= pool.allocating_seconds(t0, t1) <= t1 - t0 + 1e-6
+        assert pool.allocating_seconds(t1 + 10, t1 + 11) == 0.0       # nothing then
+        assert pool.wait_ahead(5)                   # the background chunk landed
+        t2 = time.perf_counter()
+        both = pool.allocating_seconds(t0, t2)
+        assert both >= 2 * one * 0.99, both         # ... and counts too
+        assert pool.allocating_seconds(t1, t2) >= one * 0.99 and both <= t2 - t0 + 1e-6
+        pool.grow_ahead(pool.reserved_bytes + 16 * MiB)
+        time.sleep(one / 2)                         # half-way through a third
+        t3 = time.perf_counter()
+        assert pool.allocating_seconds(t3 - one / 2, t3) >= one / 2 * 0.8
+        pool.release(a)
+    finally:
+        pool.close()
+
+
 def test_end_step_keeps_headroom_over_recent_use_and_grows_it_off_the_step():
     pool = HostPool(2**30, pin=False, ahead=True, chunk_bytes=4 * MiB)   # one buffer a slab
     try:

@@ -100,6 +100,45 @@ def test_compute_is_corrected_by_measured_over_predicted_and_clamped():
 
 
 # --------------------------------------------------------------------------- the real clock
+def test_a_step_that_pinned_through_a_tenth_of_it_is_read_as_pinned():
+    from types import SimpleNamespace as NS
+    assert checks.pinned(NS(step_seconds=0.5, extra={"host_alloc_seconds": 0.06}))
+    assert not checks.pinned(NS(step_seconds=0.5, extra={"host_alloc_seconds": 0.04}))
+    assert not checks.pinned(NS(step_seconds=0.5, extra={}))       # (a profile made by hand)
+    assert not checks.pinned(NS(step_seconds=0.0, extra={"host_alloc_seconds": 1.0}))
+
+
+def _fake_policy(views_version: int):
+    from types import SimpleNamespace as NS
+
+    def replan(*a, **kw):
+        raise AssertionError("no correction was due")
+    modes = NS(key=5, views=NS(version=views_version), plans={}, replan=replan)
+    return NS(checks=PlanChecks(), modes=modes)
+
+
+def test_a_miss_of_a_plan_from_views_changed_since_corrects_nothing_and_counting_restarts():
+    # An H100 (HF Llama 4096x8): a size planned from the slow first step's views missed twice;
+    # the views were corrected in between and the size planned again from them, right; the
+    # second miss then scaled that plan's compute by 0.25 (measured over the old prediction),
+    # and it predicted 0.11 s for steps of 0.44 s. A plan carries its views' version.
+    from types import SimpleNamespace as NS
+    profile = NS(step_seconds=0.44, extra={})
+    pol = _fake_policy(views_version=3)
+    plan = NS(views_version=2)
+    pol.modes.plans[5] = plan
+    pol.checks.misses[("modes", 5)] = 1             # one miss already
+    checks.check_step(pol, profile, None, plan, predicted=2.8)
+    assert ("modes", 5) not in pol.checks.misses    # no replan, nothing counted
+    plan.views_version = 3                          # made from the views as they are: counted
+    checks.check_step(pol, profile, None, plan, predicted=2.8)
+    assert pol.checks.misses[("modes", 5)] == 1
+    # A step slowed by pinning is not a miss either.
+    checks.check_step(pol, NS(step_seconds=0.44, extra={"host_alloc_seconds": 0.3}), None,
+                      plan, predicted=2.8)
+    assert pol.checks.misses[("modes", 5)] == 1
+
+
 def _run(model, batches, budget, **kw):
     with cs.Chameleon(budget, device="cpu", min_tensor_bytes=0, model=model, **kw) as eng:
         for b in batches:

@@ -10,7 +10,8 @@ step's size.
   largest, and its key is planned at the end of that step.
 * Keep views (``keep_views``): the step as it is with every block kept, measured on a detailed
   step that ran so (the very first step does), else the nearest one scaled to the size. Timed
-  steps in other mixes correct the view its size plans from, and the size is planned again.
+  steps in other mixes correct the view its size plans from, and the size is planned again. A
+  step slowed by the host arena's pinning (``checks.pinned``) teaches nothing but a first view.
   Planning again is rationed to ``PLANNING_SHARE`` of the steps' time (a thaw's plans are
   free), and a size whose replans keep choosing its mix waits 2, 4, 8... of its steps between
   them (``fruitless``): on the CPU demo each was 40-80 ms on 50-70 ms steps.
@@ -44,10 +45,10 @@ from ..planning.modes import plan_hybrid, working_set
 from ..planning.quiet import plan_quiet
 from ..planning.signatures import step_size
 from . import keep_views
-from .checks import MISS     # a mix that ran this much slower than its plan said: plan again
+from .checks import MISS, pinned  # MISS: a mix that ran this much slower than planned: again
 from .keep_views import KeepView, scaled
-from .mix_runs import (ModePlan, MixRuns, Trials, no_host_room, no_mix_fits, source,
-                       until_warm)
+from .mix_runs import (ModePlan, MixRuns, Trials, moved, no_host_room, no_mix_fits,
+                       source, until_warm)
 
 REPLAN_BUDGET_CHANGE = 0.05     # a budget that moved by more than this re-plans the key
 REPLAN_MOVE_CHANGE = 0.3       # so does a cost of a move that changed by more than this
@@ -61,7 +62,7 @@ class BlockModes:
                  move_fn: Callable[[], float] = lambda: 0.0) -> None:
         self.bandwidth_fn = bandwidth_fn
         self.move_fn = move_fn              # () -> host seconds one moved span costs
-        self.views: dict[int, KeepView] = {}
+        self.views: keep_views.Views = keep_views.Views()     # step size -> its keep view
         self.plans: dict[int, ModePlan] = {}
         self.sel_bytes_ratio: Optional[float] = None    # selective held / keep saved
         self.sel_seconds_ratio: Optional[float] = None  # selective recompute / keep forward
@@ -95,8 +96,7 @@ class BlockModes:
         self.input_bytes = 0
         self.plan: Optional[ModePlan] = None
         self.probing: Optional[int] = None
-        self.pending: dict[int, int] = {}   # blocks run recomputed whose recompute has not begun:
-                                            # the bytes it holds beside the block's inputs
+        self.pending: dict[int, int] = {}   # recomputes not begun: bytes beside their inputs
         self.forced: dict[int, int] = {}    # blocks run full for host room: their working sets
 
     def ahead(self) -> int:     # room copies back must leave: the largest recompute to come
@@ -226,8 +226,26 @@ class BlockModes:
         self.trained_seconds += profile.step_seconds or 0.0
         seen: set = set()                    # the first call of each block (one per step)
         calls = [c for c in calls if not (c.block in seen or seen.add(c.block))]
+        kept = profile.detailed and all(c.mode == "keep" for c in calls)
+        if not pinned(profile):
+            self._learn(profile, calls, kept)
+        elif kept and not self.views:       # slow for its pinning: a first view, cold, at most
+            self._learn_view(profile, calls, cold=True)
+        self._warmed(sum(self.visits.values()) >= COLD_STEPS)  # no step could tell: as they are
+        plan = self.plans.get(self.key)
+        dearer = plan is not None and moved(plan.move_seconds, self.move_fn(), REPLAN_MOVE_CHANGE)
+        if self.key in self.stale or (dearer and plan.key == self.key):
+            # The link changed, or what a move costs did (learnt since): plan the key again.
+            self.replan(self.key, 1.0)
+        elif plan is None or moved(plan.budget, self.budget, REPLAN_BUDGET_CHANGE):
+            self._make(self.key)
+        elif not plan.measured and self.key in self.views:
+            self.replan(self.key, 1.0)   # its own keep view now: an improvement
+
+    def _learn(self, profile, calls: list, kept: bool) -> None:
+        """What a step not slowed by pinning teaches: its mix's time, its view, the ratios."""
         self._learn_run(profile, calls)
-        if profile.detailed and all(c.mode == "keep" for c in calls):
+        if kept:
             self._learn_view(profile, calls)
             self._warmed(sum(self.visits.values()) > 1)
             self._thaw(self.warm and keep_views.timed_compute(profile, calls))
@@ -242,19 +260,9 @@ class BlockModes:
                 self.compute_scale.pop(self.key, None)   # the view holds measured compute now
                 if self.key in self.plans and self.plans[self.key].key == self.key:
                     self.stale.add(self.key)             # planned again below
-        self._warmed(sum(self.visits.values()) >= COLD_STEPS)  # no step could tell: as they are
         if self.probing is not None:
             self._learn_selective(calls)
         self._learn_full(calls)
-        plan = self.plans.get(self.key)
-        moved = plan is not None and _moved(plan.move_seconds, self.move_fn(), REPLAN_MOVE_CHANGE)
-        if self.key in self.stale or (moved and plan.key == self.key):
-            # The link changed, or what a move costs did (learnt since): plan the key again.
-            self.replan(self.key, 1.0)
-        elif plan is None or _moved(plan.budget, self.budget, REPLAN_BUDGET_CHANGE):
-            self._make(self.key)
-        elif not plan.measured and self.key in self.views:
-            self.replan(self.key, 1.0)   # its own keep view now: an improvement
 
     def _thaw(self, timed) -> None:
         """First-step views corrected (``keep_views.thaw``), every size planned again, free."""
@@ -273,7 +281,7 @@ class BlockModes:
         if now and not self.warm:
             self.warm = True
             self.stale.update(self.plans)
-            self.views = {k: replace(v, cold=False) for k, v in self.views.items()}
+            self.views.warm()
 
     def _learn_run(self, profile, calls: list) -> None:
         """The step's time against the mix it ran (its blocks' modes as run: a probe, a block
@@ -305,29 +313,24 @@ class BlockModes:
     def measured(self, key: int, block_ids: list) -> dict:
         return self.runs.measured(key, block_ids)
 
-    def _learn_view(self, profile, calls: list) -> None:
+    def _learn_view(self, profile, calls: list, cold: bool = False) -> None:
         d2h, h2d = self.bandwidth_fn()
-        cold = not self.warm and sum(self.visits.values()) <= 1    # the engine's first step
+        cold = cold or not self.warm and sum(self.visits.values()) <= 1   # the first step
         self.views[self.key] = keep_views.learn(profile, calls, d2h, h2d, self.eligible,
                                                 self.input_bytes, cold)
 
     def _learn_full(self, calls: list) -> None:
-        """A full recompute's time against its kept forward (``keep_views.full_ratio``): a running
-        mean for the plans made after it; no key is planned again for it (replanning every key
-        when it changed made a 12-step demo plan on most of its steps)."""
-        view = self._view_near(self.input_bytes)
-        r = view and not view.cold and keep_views.full_ratio(view, calls, self.input_bytes)
-        if r:
-            old = self.full_seconds_ratio
-            self.full_seconds_ratio = r if old is None else 0.5 * r + 0.5 * old
+        """``keep_views.full_ratio``'s running mean, for later plans; no key is planned again for
+        it (replanning every key when it changed made a 12-step demo plan on most steps)."""
+        r = keep_views.full_ratio(self._view_near(self.input_bytes), calls, self.input_bytes)
+        old = self.full_seconds_ratio
+        self.full_seconds_ratio = old if not r else r if old is None else 0.5 * (r + old)
 
     def _learn_selective(self, calls: list) -> None:
-        b = self.probing
+        b, view = self.probing, self._view_near(self.input_bytes)
         self._probe, self._probed = None, True
         call = next((c for c in calls if c.block == b and c.mode == "selective"), None)
-        view = self._view_near(self.input_bytes)
-        got = call and view and not view.cold and keep_views.selective_ratios(
-            view, call, self.input_bytes)
+        got = call and keep_views.selective_ratios(view, call, self.input_bytes)
         if got:
             self.sel_bytes_ratio, self.sel_seconds_ratio = got
             # Every key is planned again with selective known, at its next visit's end.
@@ -374,7 +377,8 @@ class BlockModes:
         modes = dict(zip(view.block_ids, hp.modes))
         self.plans[key] = ModePlan(modes, dict(zip(view.block_ids, hp.working_set)),
                                    view.input_bytes, self.budget, measured, hp, key=key,
-                                   move_seconds=prof.move_seconds, stand_in=not trusted)
+                                   move_seconds=prof.move_seconds, stand_in=not trusted,
+                                   views_version=self.views.version)
         pred = hp.predicted
         fits = pred.peak_bytes <= self.budget and not pred.forced_offloads
         if not fits and self.budget not in self.warned_budgets:
@@ -394,7 +398,3 @@ class BlockModes:
         """Selective can run block ``b`` (``BlockRunner.selective_safe``; any, with no runner)."""
         s = self.selective_safe
         return not s or (b < len(s) and s[b] is True)
-
-
-def _moved(planned, now, share: float) -> bool:
-    return abs(now - planned) > share * max(1e-12 if isinstance(planned, float) else 1, planned)

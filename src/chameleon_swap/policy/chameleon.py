@@ -29,7 +29,7 @@ from ..runtime.executor import HOST, OFFLOADING, RESIDENT, Executor, Record
 from .guard import GuardPolicy
 from .block_modes import COLD_STEPS, BlockModes
 from .host_room import HostRoom
-from .checks import PlanChecks, check_step
+from .checks import PlanChecks, check_step, pinned
 from ..planning.cache import DEFAULT_PLAN_CACHE_SIZE, PlanCache, PlanEntry, compile_plan
 
 RECENT_STEPS = 4          # an estimated plan used this recently earns a detailed step
@@ -390,6 +390,7 @@ class ChameleonPolicy:
         tl = replace(profile.to_timeline(d2h, h2d), move_seconds=self.checks.move_seconds())
         tl_plan = make_plan(tl, self.ex.budget)
         entry = compile_plan(profile, tl_plan, self.step_no)
+        entry.detailed = entry.detailed and not pinned(profile)   # (timed while pinning: again)
         if profile.blocks:
             entry.modes = {}
             for c in profile.blocks:

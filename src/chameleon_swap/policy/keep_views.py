@@ -50,6 +50,21 @@ class KeepView:
     cold: bool = False          # learnt on the engine's first step (see ``thaw``)
 
 
+class Views(dict):
+    """Keep views by step size, with a ``version`` that every view set in it moves on (a plan
+    records the version it was made from: ``checks.check_step``)."""
+    version = 0
+
+    def __setitem__(self, key, view) -> None:
+        super().__setitem__(key, view)
+        self.version += 1
+
+    def warm(self) -> None:
+        """Every view taken as warm (``cold`` off)."""
+        for k, v in self.items():
+            self[k] = replace(v, cold=False)
+
+
 def learn(profile, calls: list, d2h: float, h2d: float, eligible: list,
           input_bytes: int, cold: bool = False) -> KeepView:
     """The keep view of a timed step that ran every block kept (``calls``: each block's first
@@ -168,13 +183,15 @@ def scaled(view: KeepView, f: float, input_bytes: int, seconds=None) -> KeepView
     return KeepView(prof, blocks, view.block_ids, input_bytes, view.cold)
 
 
-def full_ratio(view: KeepView, calls: list, input_bytes: int) -> Optional[float]:
+def full_ratio(view: Optional[KeepView], calls: list, input_bytes: int) -> Optional[float]:
     """What this step's full recomputes took against the view's forward time of the same
     blocks (mean, clamped; None without one). The view's forward carries the engine's
     saved-tensor hooks (one call per saved tensor), a recompute runs under checkpoint's
     instead: measured on a 4-block HF Llama on this project's CPU, kept forwards read 21-23 ms
     a block, which a step of full recomputation repeated in about 15 ms; planned from the kept
-    figure, the all-full mix looked 40% dearer than it ran."""
+    figure, the all-full mix looked 40% dearer than it ran. None from no view, or a cold one."""
+    if view is None or view.cold:
+        return None
     scale = input_bytes / max(1, view.input_bytes)
     ratios = []
     for c in calls:
@@ -188,10 +205,11 @@ def full_ratio(view: KeepView, calls: list, input_bytes: int) -> Optional[float]
     return min(FULL_RATIO_CLAMP[1], max(FULL_RATIO_CLAMP[0], sum(ratios) / len(ratios)))
 
 
-def selective_ratios(view: KeepView, call, input_bytes: int) -> Optional[tuple]:
+def selective_ratios(view: Optional[KeepView], call, input_bytes: int) -> Optional[tuple]:
     """(bytes, seconds) of a block's selective recompute (``call``, run selective once)
-    against what the view says it saves kept and takes forward; None if it cannot tell."""
-    if call.block not in view.block_ids or not call.recompute_seconds:
+    against what the view says it saves kept and takes forward; None if it cannot tell (no
+    view, or a cold one)."""
+    if view is None or view.cold or call.block not in view.block_ids or not call.recompute_seconds:
         return None
     blk = view.blocks[view.block_ids.index(call.block)]
     scale = input_bytes / max(1, view.input_bytes)

@@ -45,6 +45,7 @@ class ModePlan:
     replanned: bool = False     # made again after its predictions missed (not yet reported)
     move_seconds: float = 0.0   # the cost of a move it was planned with
     stand_in: bool = False      # runs its plan's fallback until a later step is timed
+    views_version: int = 0      # ``Views.version`` of the keep views it was made from
 
 
 RUNS_KEPT = 3                   # step times kept per mix and size (their low median ranks it)
@@ -162,3 +163,8 @@ def no_host_room(host_limit: int, hp) -> str:
             f"{format_bytes(hp.predicted.moved_bytes)} to host memory. Blocks run full when the "
             f"host arena has no room left, and a step may still fail with HostMemoryError; raise "
             f"host_memory_limit or the budget")
+
+
+def moved(planned, now, share: float) -> bool:
+    """``now`` is off ``planned`` by more than ``share`` of it (a budget, a move's cost)."""
+    return abs(now - planned) > share * max(1e-12 if isinstance(planned, float) else 1, planned)

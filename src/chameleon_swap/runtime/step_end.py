@@ -61,6 +61,8 @@ def finish_step(eng, t0: float, budget: Optional[int], failed: bool,
         profile = eng._profiler.finish(host_seconds, stalls)
         profile.blocks = calls
         profile.extra["link"] = eng._copy.take_link()
+        # (time the host arena spent allocating during the step: ``policy.checks.pinned``)
+        profile.extra["host_alloc_seconds"] = eng._pool.allocating_seconds(t0, time.perf_counter())
         changed = _sequence_changed(eng, profile.ids)
         with _young_gc_paused():
             eng._policy.end_step(None if failed else profile)
