@@ -214,6 +214,7 @@ def main(argv=None) -> int:
                         if m in engines:
                             rec[m]["stats"].append(engines[m].last_step)
                             rec[m].setdefault("visits", []).append(T)
+                            rec[m].setdefault("walls", []).append(dt)
                         advance()
                     losses_equal &= all(torch.equal(losses["none"], v) for v in losses.values())
             if device.type != "cuda":
@@ -286,17 +287,19 @@ def summarize(rec: dict, modes: list, engines: dict, budget: int) -> dict:
                        median_recompute_s=C.median(v.recompute_seconds for v in s),
                        median_stall_s=C.median(v.stall_seconds for v in s),
                        block_modes=list(s[-1].block_modes),
-                       steps=[prediction_row(T, v) for T, v in zip(r["visits"], s)])
+                       steps=[prediction_row(T, v, w)
+                              for T, v, w in zip(r["visits"], s, r["walls"])])
         out[m] = row
     return out
 
 
-def prediction_row(T: int, st) -> dict:
-    """One engine step: its length, measured and predicted step time, and where its plan came
-    from (``predicted_step_seconds`` is None before the engine had one, and on engines that
-    predate it)."""
+def prediction_row(T: int, st, wall: float) -> dict:
+    """One engine step: its length, measured and predicted step time, the wall time the
+    benchmark timed around it (``wall_s``: the step and its end, the policy's planning
+    included), and where its plan came from (``predicted_step_seconds`` is None before the
+    engine had one, and on engines that predate it)."""
     pred = getattr(st, "predicted_step_seconds", None)
-    return {"length": T, "step_s": st.step_seconds, "predicted_s": pred,
+    return {"length": T, "step_s": st.step_seconds, "wall_s": wall, "predicted_s": pred,
             "plan_source": st.plan_source, "block_modes": list(st.block_modes)}
 
 
