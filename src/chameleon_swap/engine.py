@@ -278,6 +278,9 @@ class Chameleon:
         runner.working_set_fn = policy.working_set
         policy.modes.eligible = list(runner.eligible)
         policy.modes.selective_safe = runner.selective_safe
+        policy.modes.views.param_shapes = frozenset(
+            s for p in model.parameters() if p.dim() >= 2
+            for s in (tuple(p.shape), tuple(p.shape)[::-1]))
         runner.install()
         return runner
 

@@ -3,6 +3,7 @@ timed steps that ran in other mixes (the first step, which a view is measured on
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -139,3 +140,82 @@ def test_thaw_corrects_every_cold_view_by_the_nearest_ones_factors_unclamped():
     assert [sp.nbytes for sp in cold[1].profile.spans] == [40, 60]
     assert not keep_views.thaw(cold, (1.0, 1.0), 200)            # none cold: nothing to do
     assert keep_views.scaled(replace(view(), cold=True), 2.0, 200).cold   # scaling keeps it
+
+
+def test_spans_that_copy_a_parameter_keep_their_size_when_scaled():
+    v = keep_views.scaled(view(), 1.0, 100)                 # (a view with no fixed spans)
+    assert [sp.nbytes for sp in keep_views.scaled(v, 2.0, 200).profile.spans] == [80, 120]
+    fixed = KeepView(v.profile, v.blocks, v.block_ids, 100, fixed=(True, False))
+    s = keep_views.scaled(fixed, 2.0, 200)
+    assert [sp.nbytes for sp in s.profile.spans] == [40, 120] and s.fixed == (True, False)
+    assert keep_views.scaled(s, 1.0, 200, seconds=0.5).fixed == (True, False)   # (a correction)
+
+
+def _trace_view(name: str, n_blocks: int = 8) -> KeepView:
+    from pathlib import Path
+
+    from chameleon_swap.runtime.trace import load
+    tr = load(Path(__file__).resolve().parents[1] / "fixtures" / "gpu-traces" / name)
+    prof = tr.steps[-1].profile(*tr.link)
+    lo, per = 2, (prof.n_forward - 6) // n_blocks
+    blocks = [Block(lo + b * per, lo + (b + 1) * per,
+                    float(sum(prof.compute[lo + b * per:lo + (b + 1) * per])),
+                    prof.spans[lo + b * per].nbytes) for b in range(n_blocks)]
+    return KeepView(prof, blocks, list(range(n_blocks)), prof.spans[lo].nbytes)
+
+
+def test_on_the_gpu_traces_a_view_scaled_with_its_fixed_spans_plans_as_the_size_s_own():
+    # The engine's traces of HF Llama 4096x8 on an H100 at 8k and 16k tokens (bf16 autocast):
+    # 74 of 243 saved tensors (3.3 GiB, the weights' casts) are the same size at both. Scaled
+    # in proportion, 8k's view reads 37.2 GiB at 16k (it holds 33.9), and at a 75% budget its
+    # mode plan recomputes a block that the 16k view's own plan keeps; with those spans fixed
+    # (here marked from the two traces; the engine marks them by their parameters' shapes) it
+    # reads the 16k step's bytes and plans its mix.
+    from chameleon_swap.planning.modes import plan_hybrid
+    from chameleon_swap.planning.timeline import unmoved_peak
+    v8, v16 = _trace_view("h4096-unreached-8192"), _trace_view("h4096-unreached-16384")
+    same = tuple(a.nbytes == b.nbytes for a, b in zip(v8.profile.spans, v16.profile.spans))
+    assert sum(same) == 74
+    total = lambda v: sum(sp.nbytes for sp in v.profile.spans)   # noqa: E731
+    linear = keep_views.scaled(v8, 2.0, v8.input_bytes * 2)     # twice the tokens
+    fixed = keep_views.scaled(KeepView(v8.profile, v8.blocks, v8.block_ids, v8.input_bytes,
+                                       fixed=same), 2.0, v8.input_bytes * 2)
+    assert total(linear) > 1.09 * total(v16)
+    assert total(fixed) == pytest.approx(total(v16), rel=1e-6)
+    budget = int(unmoved_peak(v16.profile) * 0.75)
+    own = plan_hybrid(v16.profile, v16.blocks, budget).counts()
+    assert own == (8, 0, 0)
+    assert plan_hybrid(fixed.profile, fixed.blocks, budget).counts() == own
+    assert plan_hybrid(linear.profile, linear.blocks, budget).counts() != own
+
+
+def test_under_autocast_the_weights_casts_are_marked_fixed_and_scale_to_the_other_length():
+    # A real model on the CPU under bf16 autocast, two lengths, each learnt on an engine's first
+    # (timed, all kept) step: the spans marked fixed (by the parameters' shapes) are exactly those
+    # of equal size at both lengths, and the shorter view scaled to the longer holds its bytes.
+    import torch
+    model = tiny_llama(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=256)
+    views = {}
+    for T in (64, 128):
+        batch = lm_batches(model, [T], B=2)[0]
+        with cs.Chameleon(10**12, device="cpu", min_tensor_bytes=0, model=model) as eng:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                train_step(model, batch, eng)
+            p, calls = eng._profiler.last_profile, eng._profiler.last_profile.blocks
+            modes = eng._policy.modes
+            seen: set = set()
+            firsts = [c for c in calls if not (c.block in seen or seen.add(c.block))]
+            views[T] = keep_views.learn(p, firsts, 1e9, 1e9, modes.eligible,
+                                        firsts[0].input_bytes,
+                                        param_shapes=modes.views.param_shapes)
+    a, b = views[64], views[128]
+    assert len(a.profile.spans) == len(b.profile.spans) and any(a.fixed)
+    same = tuple(x.nbytes == y.nbytes for x, y in zip(a.profile.spans, b.profile.spans))
+    assert a.fixed == same == b.fixed
+    s = keep_views.scaled(a, b.input_bytes / a.input_bytes, b.input_bytes)
+    # (within 1% a span: the token ids are one longer than the sequence, 1040 B -> 2064 B)
+    assert all(x.nbytes == pytest.approx(y.nbytes, rel=0.01)
+               for x, y in zip(s.profile.spans, b.profile.spans))
+    linear = keep_views.scaled(replace(a, fixed=()), b.input_bytes / a.input_bytes, b.input_bytes)
+    assert sum(sp.nbytes for sp in linear.profile.spans) > \
+        1.05 * sum(sp.nbytes for sp in b.profile.spans)

@@ -317,7 +317,7 @@ class BlockModes:
         d2h, h2d = self.bandwidth_fn()
         cold = cold or not self.warm and sum(self.visits.values()) <= 1   # the first step
         self.views[self.key] = keep_views.learn(profile, calls, d2h, h2d, self.eligible,
-                                                self.input_bytes, cold)
+                                                self.input_bytes, cold, self.views.param_shapes)
 
     def _learn_full(self, calls: list) -> None:
         """``keep_views.full_ratio``'s running mean, for later plans; no key is planned again for
