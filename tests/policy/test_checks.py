@@ -123,9 +123,12 @@ def test_a_miss_of_a_plan_from_views_changed_since_corrects_nothing_and_counting
     # second miss then scaled that plan's compute by 0.25 (measured over the old prediction),
     # and it predicted 0.11 s for steps of 0.44 s. A plan carries its views' version.
     from types import SimpleNamespace as NS
-    profile = NS(step_seconds=0.44, extra={})
+    profile = NS(step_seconds=0.44, extra={}, waits=[])
     pol = _fake_policy(views_version=3)
-    plan = NS(views_version=2)
+    pol.modes.input_bytes = 100
+    pol.ex = NS(stats=NS(offloaded_tensors=0))
+    pred = NS(total_seconds=2.8, stall_seconds=0.0)
+    plan = NS(views_version=2, input_bytes=100, hybrid=NS(predicted=pred))
     pol.modes.plans[5] = plan
     pol.checks.misses[("modes", 5)] = 1             # one miss already
     checks.check_step(pol, profile, None, plan, predicted=2.8)
@@ -137,6 +140,26 @@ def test_a_miss_of_a_plan_from_views_changed_since_corrects_nothing_and_counting
     checks.check_step(pol, NS(step_seconds=0.44, extra={"host_alloc_seconds": 0.3}), None,
                       plan, predicted=2.8)
     assert pol.checks.misses[("modes", 5)] == 1
+
+
+def test_a_correction_is_what_the_misses_agree_on_not_one_step():
+    c = PlanChecks()
+    assert not c.observe("a", 1.0, 1.3, factor=1.3)
+    assert c.observe("a", 1.0, 2.0, factor=2.0)     # a spike: the second miss
+    assert c.agreed("a") == 1.3                      # what both steps say, not the spike's 2
+    assert c.agreed("a") == 1.0                      # (taken: nothing left to agree on)
+    c = PlanChecks()
+    assert not c.observe("b", 1.0, 0.6, factor=0.6)
+    assert c.observe("b", 1.0, 0.8, factor=0.8)
+    assert c.agreed("b") == 0.8
+    c = PlanChecks()
+    assert not c.observe("c", 1.0, 1.5, factor=1.5)
+    assert c.observe("c", 1.0, 0.7, factor=0.7)      # they disagree: no compute correction
+    assert c.agreed("c") == 1.0
+    c = PlanChecks()
+    assert not c.observe("d", 1.0, 1.5, factor=1.5)
+    assert not c.observe("d", 1.0, 1.02, factor=1.02)    # a hit: the miss before is forgotten
+    assert c.observe("d", 1.0, 1.4, factor=1.4) is False and c.agreed("d") == 1.4
 
 
 def _run(model, batches, budget, **kw):

@@ -59,6 +59,7 @@ class PlanChecks:
 
     def __init__(self) -> None:
         self.misses: dict = {}
+        self.factors: dict = {}     # per key: the compute correction each miss asked for
         self.cooldown: dict = {}
         self.link: Optional[tuple[float, float]] = None
         # Off when the user gave the planner a link (``link_bandwidth=``): a what-if plans for a
@@ -86,8 +87,10 @@ class PlanChecks:
                                    / MOVES_FULL_WEIGHT)
         self.move_measured = each if old is None else old + w * (each - old)
 
-    def observe(self, key: Hashable, predicted: Optional[float], measured: float) -> bool:
-        """Record a step of ``key``; True when it is time to correct the model and plan again."""
+    def observe(self, key: Hashable, predicted: Optional[float], measured: float,
+                factor: float = 1.0) -> bool:
+        """Record a step of ``key`` (``factor``: the compute correction it alone would ask
+        for); True when it is time to correct the model (by ``agreed``) and plan again."""
         if not self.enabled or predicted is None or predicted <= 0:
             return False
         if self.cooldown.get(key, 0) > 0:
@@ -95,13 +98,33 @@ class PlanChecks:
             return False
         if abs(measured - predicted) > max(MISS * predicted, MIN_MISS_SECONDS):
             n = self.misses[key] = self.misses.get(key, 0) + 1
+            self.factors.setdefault(key, []).append(factor)
             if n >= MISSES_TO_REPLAN:
                 self.misses[key] = 0
                 self.cooldown[key] = COOLDOWN
                 return True
             return False
-        self.misses.pop(key, None)
+        self.forget(key)
         return False
+
+    def forget(self, key: Hashable) -> None:
+        """Misses of ``key`` counted so far no longer count."""
+        self.misses.pop(key, None)
+        self.factors.pop(key, None)
+
+    def agreed(self, key: Hashable) -> float:
+        """The compute correction the misses that called for it agree on: the one nearest 1
+        where all ask the same way, else none (1). One step alone then never sets the model's
+        compute: on this project's shared 2-core CPU a single step runs 10-30% off its
+        neighbours and now and then twice as long (the demo: an all-full step at 0.197 s
+        between steps of 0.096-0.098 s, nothing moved), and a correction from that step alone
+        would double every block's compute for the size's next plan."""
+        fs = self.factors.pop(key, None) or [1.0]
+        if all(f >= 1.0 for f in fs):
+            return min(fs)
+        if all(f <= 1.0 for f in fs):
+            return max(fs)
+        return 1.0
 
     def correct_link(self, assumed: tuple[float, float], measured: dict,
                      stall_at: Optional[Callable[[float], float]] = None,
@@ -190,13 +213,14 @@ def check_step(policy, profile, applied, mode_plan, predicted) -> None:
         # size whose first plans came from the slow first step missed twice, the warm view
         # planned it right, and the factor of 0.25 on top made it predict 0.11 s for steps of
         # 0.44 s.
-        policy.checks.misses.pop(key, None)
+        policy.checks.forget(key)
         return
     measured = profile.step_seconds
-    if not policy.checks.observe(key, predicted, measured):
+    stall = float(sum(profile.waits)) if profile.waits else 0.0
+    f = 1.0 if mode_plan is None else _step_factor(policy, mode_plan, measured, stall)
+    if not policy.checks.observe(key, predicted, measured, f):
         return
     t0 = time.perf_counter()
-    stall = float(sum(profile.waits)) if profile.waits else 0.0
     link = profile.extra.get("link", {})
     if mode_plan is not None:
         hp, scale = mode_plan.hybrid, policy.modes.input_bytes / max(1, mode_plan.input_bytes)
@@ -204,16 +228,7 @@ def check_step(policy, profile, applied, mode_plan, predicted) -> None:
         after = policy.checks.correct_link(before, link, stall_fn(hp.profile, hp.swap,
                                                                    policy.ex.budget, scale), stall)
         pred = hp.predicted
-        f = compute_factor(measured, stall, pred.total_seconds * scale,
-                           pred.stall_seconds * scale)
-        if f < 1.0 and stall > pred.stall_seconds * scale + MISS * pred.total_seconds * scale:
-            # Waits the model did not foresee: it missed the copies, not the compute (taking
-            # them for cheaper compute made a 4-block Llama's predictions fall to half the step).
-            f = 1.0
-        if f > 1.0 and policy.ex.stats.offloaded_tensors:
-            # Slower compute on a step that moved: what each move costs the compute thread
-            # (timed per move, learn_moves), not the blocks.
-            f = 1.0
+        f = policy.checks.agreed(key)
         # Bytes the plan did not plan for but the guard had to move (it overrode the plan or
         # forced copies): the plan's memory model was short by that much, so it keeps a margin.
         # Moves that only came early or late are the link's or the compute's business, not a
@@ -244,6 +259,23 @@ def check_step(policy, profile, applied, mode_plan, predicted) -> None:
         policy.checks.correct_link(policy.link(), link, fit, stall)
         _remake_swap_plan(policy, profile, applied)
     policy.planner_seconds += time.perf_counter() - t0
+
+
+def _step_factor(policy, mode_plan, measured: float, stall: float) -> float:
+    """The compute correction one step of ``mode_plan`` asks for (``compute_factor``, but 1
+    where its miss is not the compute's)."""
+    pred, scale = mode_plan.hybrid.predicted, policy.modes.input_bytes / max(
+        1, mode_plan.input_bytes)
+    f = compute_factor(measured, stall, pred.total_seconds * scale, pred.stall_seconds * scale)
+    if f < 1.0 and stall > pred.stall_seconds * scale + MISS * pred.total_seconds * scale:
+        # Waits the model did not foresee: it missed the copies, not the compute (taking
+        # them for cheaper compute made a 4-block Llama's predictions fall to half the step).
+        return 1.0
+    if f > 1.0 and policy.ex.stats.offloaded_tensors:
+        # Slower compute on a step that moved: what each move costs the compute thread
+        # (timed per move, learn_moves), not the blocks.
+        return 1.0
+    return f
 
 
 def _remake_swap_plan(policy, profile, applied) -> None:
