@@ -42,6 +42,7 @@ import argparse
 import contextlib
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -288,9 +289,39 @@ def summarize(rec: dict, modes: list, engines: dict, budget: int) -> dict:
                        median_stall_s=C.median(v.stall_seconds for v in s),
                        block_modes=list(s[-1].block_modes),
                        steps=[prediction_row(T, v, w)
-                              for T, v, w in zip(r["visits"], s, r["walls"])])
+                              for T, v, w in zip(r["visits"], s, r["walls"])],
+                       planner=planner_state(engines[m]))
         out[m] = row
     return out
+
+
+def planner_state(engine) -> Optional[dict]:
+    """What the engine's block-mode planner held at the end (with ``model=``; None without): the
+    link it plans with, the selective and full-recompute ratios it measured, and per step size
+    its plan (block modes, predicted step), whether the size had a keep view of its own, its
+    compute correction and memory margin, and the mixes that ran there with their low-median
+    step times. For reading a GPU run afterwards: why a size runs the mix it runs."""
+    pol = engine._policy
+    bm = getattr(pol, "modes", None)
+    if bm is None or not getattr(bm, "plans", None):
+        return None
+    sizes = {}
+    for key, plan in sorted(bm.plans.items()):
+        view = bm.views.get(key)
+        ids = view.block_ids if view is not None else sorted(plan.modes)
+        pred = plan.hybrid.predicted
+        sizes[str(key)] = {
+            "input_bytes": plan.input_bytes, "modes": list(plan.hybrid.counts()),
+            "predicted_s": float(pred.total_seconds), "predicted_stall_s": float(pred.stall_seconds),
+            "moved_bytes": int(pred.moved_bytes), "own_view": view is not None,
+            "stand_in": bool(plan.stand_in), "compute_scale": bm.compute_scale.get(key, 1.0),
+            "margin_bytes": bm.margin.get(key, 0), "visits": bm.visits.get(key, 0),
+            "ran": [{"modes": list(mix), "low_median_s": t}
+                    for mix, t in bm.measured(key, list(ids)).items()]}
+    d2h, h2d = pol.link()
+    return {"link_bytes_per_s": [float(d2h), float(h2d)], "sel_bytes_ratio": bm.sel_bytes_ratio,
+            "sel_seconds_ratio": bm.sel_seconds_ratio, "full_seconds_ratio": bm.full_seconds_ratio,
+            "warm": bool(bm.warm), "sizes": sizes}
 
 
 def prediction_row(T: int, st, wall: float) -> dict:
