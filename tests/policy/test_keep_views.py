@@ -50,6 +50,17 @@ def test_a_view_within_ten_percent_of_the_step_stands():
     assert corrected(view(), prof, calls, 100) is None
 
 
+def test_another_size_s_view_within_ten_percent_is_returned_scaled_as_the_size_s_own():
+    # A size planned from another size's view: the timed step confirms it, and it becomes the
+    # size's own (scaled, its compute as it was), so the size's plans stop being stand-ins.
+    prof, calls = step([2.0, 2.1, 2.0], [4.0, 4.2, 4.0])       # twice the view's, within 10%
+    timed = keep_views.timed_compute(prof, calls)
+    assert keep_views.corrected(view(), timed, 200) is None     # (its own: it stands)
+    v = keep_views.corrected(view(), timed, 200, own=False)
+    assert v.input_bytes == 200 and sums(v) == pytest.approx((6.0, 12.0))
+    assert [sp.nbytes for sp in v.profile.spans] == [80, 120]
+
+
 def test_forward_and_backward_are_corrected_apart_and_the_recompute_is_not_backward():
     # The step ran a recompute of 3 s inside a backward of 6 + 3 s: its backward is 6 s (the
     # view's), its forward 1.5 s where the view says 3 s.

@@ -178,8 +178,7 @@ class BlockModes:
 
     def run_full(self, b: int, estimate: int, input_bytes: int) -> str:
         """Block ``b`` runs full although its plan keeps it (no host room for what keeping it
-        would move); ``estimate``: the bytes it would save kept, its working set where no
-        plan or keep view gives one."""
+        would move); ``estimate``: what it saves kept (its working set where no plan says)."""
         ws = max(self._working_set(b), estimate)
         self.forced[b] = ws
         self.pending[b] = max(0, ws - input_bytes)
@@ -234,13 +233,14 @@ class BlockModes:
         self._warmed(sum(self.visits.values()) >= COLD_STEPS)  # no step could tell: as they are
         plan = self.plans.get(self.key)
         dearer = plan is not None and moved(plan.move_seconds, self.move_fn(), REPLAN_MOVE_CHANGE)
-        if self.key in self.stale or (dearer and plan.key == self.key):
+        if plan is not None and not plan.measured and self.key in self.views:
+            self.stale.discard(self.key)        # its own keep view now: at once (once a size)
+            self._make(self.key, free=True)
+        elif self.key in self.stale or (dearer and plan.key == self.key):
             # The link changed, or what a move costs did (learnt since): plan the key again.
             self.replan(self.key, 1.0)
         elif plan is None or moved(plan.budget, self.budget, REPLAN_BUDGET_CHANGE):
             self._make(self.key)
-        elif not plan.measured and self.key in self.views:
-            self.replan(self.key, 1.0)   # its own keep view now: an improvement
 
     def _learn(self, profile, calls: list, kept: bool) -> None:
         """What a step not slowed by pinning teaches: its mix's time, its view, the ratios."""
@@ -253,7 +253,8 @@ class BlockModes:
             self._thaw(timed := keep_views.timed_compute(profile, calls))
             view = self.views.get(self.key) or self._view_near(self.input_bytes)
             now = timed and keep_views.settled(self.timed.setdefault(self.key, []), timed)
-            better = view and now and keep_views.corrected(view, now, self.input_bytes)
+            better = view and now and keep_views.corrected(view, now, self.input_bytes,
+                                                           self.key in self.views)
             self._warmed(bool(view and now))
             if better:
                 self.views[self.key] = better
@@ -333,8 +334,7 @@ class BlockModes:
         got = call and keep_views.selective_ratios(view, call, self.input_bytes)
         if got:
             self.sel_bytes_ratio, self.sel_seconds_ratio = got
-            # Every key is planned again with selective known, at its next visit's end.
-            self.stale.update(self.plans)
+            self.stale.update(self.plans)       # every key planned again, selective known
 
     def _make(self, key: int, free: bool = False) -> None:
         t0 = time.perf_counter()
