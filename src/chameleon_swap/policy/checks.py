@@ -266,6 +266,8 @@ def _step_factor(policy, mode_plan, measured: float, stall: float) -> float:
     where its miss is not the compute's)."""
     pred, scale = mode_plan.hybrid.predicted, policy.modes.input_bytes / max(
         1, mode_plan.input_bytes)
+    if pred is None:
+        return 1.0
     f = compute_factor(measured, stall, pred.total_seconds * scale, pred.stall_seconds * scale)
     if f < 1.0 and stall > pred.stall_seconds * scale + MISS * pred.total_seconds * scale:
         # Waits the model did not foresee: it missed the copies, not the compute (taking

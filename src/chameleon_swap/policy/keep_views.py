@@ -190,7 +190,7 @@ def scaled(view: KeepView, f: float, input_bytes: int, seconds=None) -> KeepView
     Why the fixed spans: on an H100, HF Llama 4096x8 under bf16 autocast saved 18.6 GiB at 8k
     tokens and 33.9 GiB at 16k, 3.3 GiB of it (74 of 243 tensors) the weights' casts at both;
     in proportion, 8k's view read 37.2 GiB at 16k, and at a 75% budget its mode plan recomputed
-    a block that the 16k step's own view keeps (``tests/planning``'s GPU traces)."""
+    a block that the 16k step's own view keeps (the engine's traces in tests/fixtures)."""
     tf, tb = (f, f) if seconds is None else (
         seconds if isinstance(seconds, tuple) else (seconds, seconds))
     p = view.profile
