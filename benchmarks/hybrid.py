@@ -309,11 +309,12 @@ def planner_state(engine) -> Optional[dict]:
     for key, plan in sorted(bm.plans.items()):
         view = bm.views.get(key)
         ids = view.block_ids if view is not None else sorted(plan.modes)
-        pred = plan.hybrid.predicted
+        pred = plan.hybrid.predicted           # (None where the plan has no prediction)
         sizes[str(key)] = {
             "input_bytes": plan.input_bytes, "modes": list(plan.hybrid.counts()),
-            "predicted_s": float(pred.total_seconds), "predicted_stall_s": float(pred.stall_seconds),
-            "moved_bytes": int(pred.moved_bytes), "own_view": view is not None,
+            "predicted_s": pred and float(pred.total_seconds),
+            "predicted_stall_s": pred and float(pred.stall_seconds),
+            "moved_bytes": pred and int(pred.moved_bytes), "own_view": view is not None,
             "stand_in": bool(plan.stand_in), "compute_scale": bm.compute_scale.get(key, 1.0),
             "margin_bytes": bm.margin.get(key, 0), "visits": bm.visits.get(key, 0),
             "ran": [{"modes": list(mix), "low_median_s": t}
