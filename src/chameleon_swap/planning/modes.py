@@ -63,7 +63,7 @@ from typing import Mapping, Optional, Sequence
 
 from .ladder import best_count
 from .swaps import plan as plan_swaps
-from .timeline import Plan, Prediction, Profile, Span, simulate, unmoved_peak
+from .timeline import Plan, Prediction, Profile, Span, unmoved_peak
 
 MODES = ("keep", "selective", "full")
 CALIBRATION_CLAMP = (0.5, 2.0)   # measured over predicted step time, believed within
@@ -224,8 +224,7 @@ def plan_hybrid(profile: Profile, blocks: Sequence[Block], budget: Optional[int]
     that moves nothing, recomputes nothing selectively and fits (see the module docstring)."""
     keep = tuple("keep" for _ in blocks)
     if budget is None or unmoved_peak(profile) <= budget:
-        return _made(profile, blocks, keep, Plan(frozenset(), {}, budget,
-                                                 simulate(profile, Plan(frozenset()), budget)))
+        return _made(profile, blocks, keep, plan_swaps(profile, budget))   # (moves nothing)
     blocks = recomputable(profile, blocks, budget)
     search = _ModeSearch(profile, blocks, budget, host_limit, measured)
     best = search.run(incumbent)

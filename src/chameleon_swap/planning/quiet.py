@@ -17,7 +17,8 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from .modes import Block, HybridPlan, _made, apply_modes, conversion_order, recomputable
-from .timeline import Plan, Profile, simulate, unmoved_peak
+from .swaps import plan as plan_swaps
+from .timeline import Profile, unmoved_peak
 
 
 def plan_quiet(profile: Profile, blocks: Sequence[Block], budget: int) -> Optional[HybridPlan]:
@@ -25,7 +26,7 @@ def plan_quiet(profile: Profile, blocks: Sequence[Block], budget: int) -> Option
     with its prediction; None where none does (then only the full search can say what runs)."""
     keep = tuple("keep" for _ in blocks)
     if unmoved_peak(profile) <= budget:
-        return _made(profile, blocks, keep, _nothing_moved(profile, budget))
+        return _made(profile, blocks, keep, plan_swaps(profile, budget))
     order = conversion_order(profile, recomputable(profile, blocks, budget))
     best: dict = {}
     # Two orders: the mode search's, and its reverse (the first blocks in forward order: their
@@ -42,13 +43,9 @@ def plan_quiet(profile: Profile, blocks: Sequence[Block], budget: int) -> Option
             view = apply_modes(profile, blocks, modes)
             if unmoved_peak(view) > budget:
                 break
-            best[modes] = (view, _nothing_moved(view, budget))
+            best[modes] = (view, plan_swaps(view, budget))    # (fits: moves nothing)
     if not best:
         return None
     modes = min(best, key=lambda m: (best[m][1].predicted.total_seconds, m.count("full"), m))
     view, plan = best[modes]
     return _made(view, blocks, modes, plan, profile)
-
-
-def _nothing_moved(view: Profile, budget: int) -> Plan:
-    return Plan(frozenset(), {}, budget, simulate(view, Plan(frozenset()), budget))
