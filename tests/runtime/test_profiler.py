@@ -296,8 +296,10 @@ def test_a_step_reports_its_moves_and_the_engine_learns_their_cost_from_the_firs
 def test_a_stalled_step_plans_from_its_compute_not_its_waits_on_the_emulated_link():
     # The same first step (every block kept, timed) under a budget a slow emulated link makes it
     # stall on, and a fast one where it does not. Without the waits kept apart the stalled
-    # forward reads many times the clean one (here each later block's own waits alone are > 2x
-    # its clean compute). With them apart it reads within 1.6x summed, and each block within 2x:
+    # forward reads many times the clean one (each later block's own waits alone exceed its
+    # clean compute, so counted as compute they would double it; they read > 2x here, but on a
+    # loaded 2-core CI machine the clean step slows while the link's waits do not: CI once read
+    # the waits at 1.97x the clean step). With them apart it reads within 1.6x summed, and each block within 2x:
     # what is left is this CPU's own slowdown after each wait (cold caches on resuming; measured
     # by sleeping the compute thread at each budget wait of a fast-link step: +25% per block with
     # 11 waits), which no count of waiting removes. The two links take turns, run by run, so a
@@ -334,8 +336,8 @@ def test_a_stalled_step_plans_from_its_compute_not_its_waits_on_the_emulated_lin
 
     fwd0, bwd0, w0, blocks0, _ = medians(runs["100GB/s"])
     fwd1, bwd1, w1, blocks1, block_waits1 = medians(runs["100MB/s"])
-    assert w1 > 2 * (fwd0 + bwd0) and w1 > 20 * w0
-    assert all(w > 2 * b for w, b in zip(block_waits1[1:], blocks0[1:])), (block_waits1, blocks0)
+    assert w1 > fwd0 + bwd0 and w1 > 20 * w0
+    assert all(w > b for w, b in zip(block_waits1[1:], blocks0[1:])), (block_waits1, blocks0)
     assert fwd1 < 1.6 * fwd0 and bwd1 < 1.6 * bwd0
     assert all(b1 < 2 * b0 for b0, b1 in zip(blocks0, blocks1)), (blocks0, blocks1)
     assert blocks1[0] == pytest.approx(blocks0[0], rel=0.25)   # before any wait: the same
