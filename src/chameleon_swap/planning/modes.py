@@ -39,10 +39,11 @@ A model is a model: mixes it ranks close can run far apart (4-block HF Llama, 25
 one block kept and three recomputed, predicted within 5% of all four recomputed, ran 10-15%
 slower). So a mix that ran at this size is ranked by the step time it ran at (``measured``) and is
 always a candidate; two or more that ran calibrate those that did not (the least ratio of measured
-over predicted among them). The mix a size runs (``incumbent``) stays unless another is
-``SWITCH_GAIN`` faster, or it copies or recomputes selectively and ran that much above its own
-prediction (a quiet mix's miss is the compute's, every mix's alike: the emulated-link benchmark at
-50% left (2, 0, 2), 0.165-0.168 s, for (2, 2, 0) predicted 0.154 s, ran 0.23). The model's parts
+over predicted among them; for a mix that copies or selects, among those that did: ``calibration``).
+The mix a size runs (``incumbent``) stays unless another is ``SWITCH_GAIN`` faster, or it copies
+or recomputes selectively and ran that much above its own prediction (a quiet mix's miss is the
+compute's, every mix's alike: the emulated-link benchmark at 50% left (2, 0, 2), 0.165-0.168 s,
+for (2, 2, 0) predicted 0.154 s, ran 0.23). The model's parts
 most often wrong are the link and what a mix holds (an 8-block HF Llama on the emulated link: keep
 5, recompute 3, predicted 53 ms, ran 62; all full predicted 60, ran 54; a 4-block one at 50%: all
 selective predicted to fit, the guard moved 7.6 MiB and it ran 1.7x of the plain step, PyTorch's
@@ -61,13 +62,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Sequence
 
+from .calibration import calibrations
 from .ladder import best_count
 from .swaps import plan as plan_swaps
 from .timeline import Plan, Prediction, Profile, Span, unmoved_peak
 
 MODES = ("keep", "selective", "full")
-CALIBRATION_CLAMP = (0.5, 2.0)   # measured over predicted step time, believed within
-MIN_CALIBRATION_RUNS = 2         # mixes that ran before their ratio calibrates the others
 SWITCH_GAIN = 0.10               # leave a mix for one this much faster only (5% switched on noise)
 ROUGH_EVALS = 12          # swap-planner simulations per mix while the search ranks mixes,
 REFINED = 2               # then this many of the best are planned again with QUICK_EVALS
@@ -272,7 +272,7 @@ class _ModeSearch:
         self.host_limit = host_limit
         self.measured = {tuple(m): t for m, t in (measured or {}).items()
                          if t > 0 and self.can_run(m)}
-        self.calibration = 1.0   # measured over predicted, of the mixes that ran (see run)
+        self.calibration = (1.0, 1.0)   # quiet, moving mixes that did not run (see run)
         self.refined: set = set()
         self.order = conversion_order(profile, blocks)
         self.views: dict[tuple, Profile] = {}
@@ -300,7 +300,8 @@ class _ModeSearch:
         host_over = 0 if self.host_limit is None else max(0, pred.moved_bytes - self.host_limit)
         recomputed = sum(m != "keep" for m in modes)
         over = 0 if pred.budget_ok else pred.peak_bytes
-        seconds = self.measured.get(modes, pred.total_seconds * self.calibration)
+        moving = bool(pred.moved_bytes) or "selective" in modes
+        seconds = self.measured.get(modes, pred.total_seconds * self.calibration[moving])
         return (host_over, not pred.budget_ok, over, round(seconds / self.scale, 9),
                 recomputed, pred.moved_bytes)
 
@@ -360,12 +361,11 @@ class _ModeSearch:
         # by one, the others keep their order behind it, and a slow mix would never be left.
         for m in self.measured:
             self.refine(m)
-        ratios = sorted(t / p.predicted.total_seconds for t, p in
-                        ((t, self._plan(m)) for m, t in self.measured.items())
-                        if p.predicted.total_seconds > 0)
-        if len(ratios) >= MIN_CALIBRATION_RUNS:
-            lo, hi = CALIBRATION_CLAMP
-            self.calibration = min(hi, max(lo, ratios[0]))
+        # Moving mixes (copies, selective) by the moving ones that ran (``calibration.py``).
+        self.calibration = calibrations(
+            (bool(p.predicted.moved_bytes) or "selective" in m, t / p.predicted.total_seconds)
+            for m, t, p in ((m, t, self._plan(m)) for m, t in self.measured.items())
+            if p.predicted.total_seconds > 0)
         n = len(self.order)
         cands = [self.best_k(self.family("full", "keep"), n)]
         if n and all(self.blocks[b].selective_known for b in self.order):

@@ -1,0 +1,37 @@
+"""What the mode search reads for a mix that never ran at a size: its prediction times the ratio
+the mixes that did run there missed by. Pure, like the rest of ``planning/``.
+
+A model is a model, and its misses have two sources. Compute, which every mix shares: a mix that
+keeps and fully recomputes blocks and moves nothing (a *quiet* mix) misses on that alone. And
+what the model knows least, which only some mixes meet: whether copies hide behind compute, what
+selective checkpointing holds. A mix that copies or recomputes selectively (a *moving* mix) can
+miss on those too, and by far more (HF Llama 256x4 at 25% of its peak, 384 tokens, on the
+emulated link: all four blocks full ran 0.202 s, as predicted; two kept and two full, moving
+10.7 MB, was predicted 0.205 s and ran 0.344 s; the size tried four mixes in twelve visits and
+ran 1.63x of the plain step where full recomputation ran 1.31x).
+
+So from ``MIN_CALIBRATION_RUNS`` mixes that ran on, a mix that did not is read at the least
+ratio of measured over predicted among them (the benefit of the doubt: some mixes ran slow for
+reasons of their own), and a moving one at the least ratio among the *moving* mixes that ran,
+where any did (never below the first, the least of all): once every moving mix tried at a size ran well above its
+prediction, the next moving mix the model favours is read as missing as they did, and a quiet
+mix that ran as predicted keeps the size.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+CALIBRATION_CLAMP = (0.5, 2.0)   # measured over predicted step time, believed within
+MIN_CALIBRATION_RUNS = 2         # mixes that ran before their ratio calibrates the others
+
+
+def calibrations(ran: Iterable[tuple[bool, float]]) -> tuple[float, float]:
+    """(quiet, moving): the factors a quiet and a moving mix that did not run are read at, from
+    ``(moving, measured / predicted)`` of each mix that ran."""
+    ran = list(ran)
+    if len(ran) < MIN_CALIBRATION_RUNS:
+        return 1.0, 1.0
+    lo, hi = CALIBRATION_CLAMP
+    quiet = min(hi, max(lo, min(r for _, r in ran)))
+    moving = [r for m, r in ran if m]
+    return quiet, min(hi, max(lo, min(moving))) if moving else quiet      # (>= quiet)
