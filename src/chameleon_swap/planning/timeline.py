@@ -135,6 +135,19 @@ class Profile:
         return (0.0, *accumulate(float(c) for c in self.compute))
 
     @cached_property
+    def _reserves(self) -> tuple:
+        """The reserve per slot (zeros where there is none), and from each slot on the largest
+        reserve still to come: copies back are issued only into room that no later reserve needs
+        (the runtime keeps room for the recomputes still to come). Once per profile, not once
+        per simulation (a mode plan simulates one view 10-50 times)."""
+        reserve = self.reserve or (0,) * self.n_slots
+        ahead = list(reserve)
+        for s in range(len(ahead) - 2, -1, -1):
+            if ahead[s + 1] > ahead[s]:
+                ahead[s] = ahead[s + 1]
+        return reserve, tuple(ahead)
+
+    @cached_property
     def _index(self) -> tuple:
         n_slots = self.n_slots
         saves_at: list[list[int]] = [[] for _ in range(n_slots + 1)]

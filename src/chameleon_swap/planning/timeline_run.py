@@ -46,7 +46,7 @@ class Run:
         n, n_slots, n_f = len(nbytes), len(profile.compute), profile.n_forward
         self.profile, self.curve, self.tracing = profile, curve, tracing
         self.budget_cap = INF if budget is None else budget
-        self.reserve = profile.reserve or (0,) * n_slots
+        self.reserve = profile._reserves[0]
         self.move = move = [False] * n
         self.fslot = fslot = {}
         fetch_at = plan.fetch_at
@@ -338,16 +338,6 @@ class CopiesBack:
         return res, peak, h2d_free, fetched
 
 
-def _reserve_ahead(reserve: tuple) -> list:
-    """The largest reserve from each slot on: copies back are issued only into room that no later
-    reserve needs (the runtime keeps room for the recomputes still to come)."""
-    ahead = list(reserve)
-    for s in range(len(ahead) - 2, -1, -1):
-        if ahead[s + 1] > ahead[s]:
-            ahead[s] = ahead[s + 1]
-    return ahead
-
-
 def backward(run: Run, back: CopiesBack) -> None:
     """The backward slots: copies back issued at each slot's start; at a use, a span still going
     out keeps its device copy, one never issued is fetched on demand, one not arrived yet stalls
@@ -358,7 +348,7 @@ def backward(run: Run, back: CopiesBack) -> None:
     budget_cap, curve, tracing = run.budget_cap, run.curve, run.tracing
     drawing, slot_start, use_stall = curve is not None, run.slot_start, run.use_stall
     t, res, peak, r, inflight, stall = run.t, run.res, run.peak, run.r, run.inflight, run.stall
-    ahead = _reserve_ahead(reserve)
+    ahead = pr._reserves[1]       # the largest reserve from each slot on (``Profile``)
     tree, buckets, waiting = back.pending.tree, back.pending.buckets, back.pending.waiting
     issue, on_demand = back.issue, back.on_demand
     h2d_free, fetched = 0.0, 0            # when the H2D queue empties; bytes copied back
