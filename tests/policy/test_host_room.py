@@ -114,6 +114,13 @@ def test_the_mode_plan_keeps_its_copies_within_the_host_limit(case, clock, monke
         step()
         (key, _), = modes.plans.items()
         del modes.plans[key]           # planned afresh (no mix it runs now to stay with)
+        # On the real clock, where the second step ran blocks full (its plan from the first
+        # step's view), a full recompute was measured at 0.28x its block's kept forward (kept,
+        # this tiny model's saves go through the engine's hooks and copies; recomputed, through
+        # checkpoint's): then recomputing every block is the best plan, which copies nothing
+        # and leaves nothing to limit (1 run in 4 of the full suite). A recompute costs its
+        # forward here, on both clocks: the host room is what is tested.
+        modes.full_seconds_ratio = None
         modes._make(key)
         free = modes.plans[key]
         assert free.hybrid.predicted.moved_bytes > 0 and free.hybrid.counts()[2] < 6
