@@ -13,9 +13,9 @@ ran 1.63x of the plain step where full recomputation ran 1.31x).
 So from ``MIN_CALIBRATION_RUNS`` mixes that ran on, a mix that did not is read at the least
 ratio of measured over predicted among them (the benefit of the doubt: some mixes ran slow for
 reasons of their own), and a moving one at the least ratio among the *moving* mixes that ran,
-where any did (never below the first, the least of all): once every moving mix tried at a size ran well above its
-prediction, the next moving mix the model favours is read as missing as they did, and a quiet
-mix that ran as predicted keeps the size.
+where any did (never below the first, the least of all): once every moving mix tried at a size
+ran well above its prediction, the next moving mix the model favours is read as missing as they
+did, and a quiet mix that ran as predicted keeps the size.
 """
 from __future__ import annotations
 
