@@ -300,9 +300,9 @@ def test_a_stalled_step_plans_from_its_compute_not_its_waits_on_the_emulated_lin
     # clean compute, so counted as compute they would double it; they read > 2x here, but on a
     # loaded 2-core CI machine the clean step slows while the link's waits do not: CI once read
     # the waits at 1.97x the clean step). With them apart it reads within 1.6x summed, and each
-    # block within 2x: what is left is this CPU's own slowdown after each wait (cold caches on resuming; measured
-    # by sleeping the compute thread at each budget wait of a fast-link step: +25% per block with
-    # 11 waits), which no count of waiting removes. The two links take turns, run by run, so a
+    # block within 2x: what is left is this CPU's own slowdown after each wait (cold caches on
+    # resuming; measured by sleeping the compute thread at each budget wait of a fast-link step:
+    # +25% per block with 11 waits), which no count of waiting removes. The two links take turns, run by run, so a
     # shared machine's load drifting between them weighs on both alike (CI once read the last
     # block at 1.63x when the fast runs all came first).
     import statistics
