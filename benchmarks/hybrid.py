@@ -8,7 +8,9 @@
 CPU shows a GPU's ratio of bytes to compute: on an H100, swap only at 25% costs about 2x the
 plain step (its pinned link moves about 54 GB/s), and a BW for which swap@25% costs at least
 1.8x here reproduces that. The results then also say, per hybrid step, what its plan predicted
-against what it measured, and the files are named ``hybrid-emulated[-LABEL]-cpu.*``.
+against what it measured, and the files are named ``hybrid-emulated[-LABEL]-cpu.*``. On any
+device each hybrid step's row says how long its end spent making mode plans (``plan_s``), and
+each hybrid engine's planner state the total (``planning_s``) against its steps' (``trained_s``).
 
 A Hugging Face ``LlamaForCausalLM`` built from a config (SDPA attention, fp32 weights; bf16
 autocast on CUDA), trained on a schedule of sequence lengths. Modes, interleaved step by step in
@@ -205,6 +207,7 @@ def main(argv=None) -> int:
                     order = modes[rep % len(modes):] + modes[:rep % len(modes)]
                     losses = {}
                     for m in order:
+                        planned = planning_seconds(engines.get(m))
                         losses[m], dt, peak = C.timed(device, lambda: run(m, engines, T))
                         rec[m]["all"].append(dt)
                         if rep >= a.warmup:
@@ -216,6 +219,9 @@ def main(argv=None) -> int:
                             rec[m]["stats"].append(engines[m].last_step)
                             rec[m].setdefault("visits", []).append(T)
                             rec[m].setdefault("walls", []).append(dt)
+                            after = planning_seconds(engines[m])
+                            rec[m].setdefault("plans", []).append(
+                                None if after is None else after - planned)
                         advance()
                     losses_equal &= all(torch.equal(losses["none"], v) for v in losses.values())
             if device.type != "cuda":
@@ -288,8 +294,8 @@ def summarize(rec: dict, modes: list, engines: dict, budget: int) -> dict:
                        median_recompute_s=C.median(v.recompute_seconds for v in s),
                        median_stall_s=C.median(v.stall_seconds for v in s),
                        block_modes=list(s[-1].block_modes),
-                       steps=[prediction_row(T, v, w)
-                              for T, v, w in zip(r["visits"], s, r["walls"])],
+                       steps=[prediction_row(T, v, w, p) for T, v, w, p in
+                              zip(r["visits"], s, r["walls"], r["plans"])],
                        planner=planner_state(engines[m]))
         out[m] = row
     return out
@@ -322,17 +328,27 @@ def planner_state(engine) -> Optional[dict]:
     d2h, h2d = pol.link()
     return {"link_bytes_per_s": [float(d2h), float(h2d)], "sel_bytes_ratio": bm.sel_bytes_ratio,
             "sel_seconds_ratio": bm.sel_seconds_ratio, "full_seconds_ratio": bm.full_seconds_ratio,
-            "warm": bool(bm.warm), "sizes": sizes}
+            "warm": bool(bm.warm), "planning_s": bm.planning_seconds,
+            "trained_s": bm.trained_seconds, "sizes": sizes}
 
 
-def prediction_row(T: int, st, wall: float) -> dict:
+def planning_seconds(engine) -> Optional[float]:
+    """Seconds the engine's block-mode planner has spent making mode plans so far (None for an
+    engine without one: swap only, or an engine that predates the counter)."""
+    if getattr(engine, "_runner", None) is None:          # (no model=: no mode plans)
+        return None
+    return getattr(getattr(engine._policy, "modes", None), "planning_seconds", None)
+
+
+def prediction_row(T: int, st, wall: float, plan: Optional[float] = None) -> dict:
     """One engine step: its length, measured and predicted step time, the wall time the
     benchmark timed around it (``wall_s``: the step and its end, the policy's planning
-    included), and where its plan came from (``predicted_step_seconds`` is None before the
-    engine had one, and on engines that predate it)."""
+    included; ``plan_s``: the mode plans made at its end, where the engine makes them), and
+    where its plan came from (``predicted_step_seconds`` is None before the engine had one,
+    and on engines that predate it)."""
     pred = getattr(st, "predicted_step_seconds", None)
     return {"length": T, "step_s": st.step_seconds, "wall_s": wall, "predicted_s": pred,
-            "plan_source": st.plan_source, "block_modes": list(st.block_modes)}
+            "plan_s": plan, "plan_source": st.plan_source, "block_modes": list(st.block_modes)}
 
 
 def prediction_summary(results: dict) -> list:

@@ -74,3 +74,27 @@ def test_hybrid_on_cuda_plans_the_steps_its_estimate_counts(script, fake_cuda):
     for bad in ("0", "1.5", "a,b", ""):
         with pytest.raises(SystemExit):
             h.parse_args(["--device", "cuda", "--fractions", bad])
+
+
+def test_hybrid_records_the_planning_each_engine_step_did(script):
+    # A GPU run gets one try: the rows and the planner state it writes at the end are built here
+    # from real engines (a hybrid one and a swap-only one) after two steps, on the CPU.
+    import chameleon_swap as cs
+    from _helpers import natural_peak, train_step
+    from _models import tiny_llama, tokens
+    h = script("hybrid")
+    m = tiny_llama(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
+    batch = tokens(m.config.vocab_size, 2, 32, 0)
+    budget = int(natural_peak(m, batch) * 0.5)
+    with cs.Chameleon(budget, model=m, min_tensor_bytes=0) as hyb, \
+            cs.Chameleon(budget, min_tensor_bytes=0) as swap:
+        assert h.planning_seconds(swap) is None
+        rows = []
+        for _ in range(2):
+            before = h.planning_seconds(hyb)
+            train_step(m, batch, hyb)
+            rows.append(h.prediction_row(32, hyb.last_step, 0.1, h.planning_seconds(hyb) - before))
+        state = h.planner_state(hyb)
+    assert all(r["plan_s"] >= 0 for r in rows) and rows[0]["plan_s"] > 0    # its first plan
+    assert state["planning_s"] == pytest.approx(sum(r["plan_s"] for r in rows))
+    assert state["trained_s"] > 0
