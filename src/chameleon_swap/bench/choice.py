@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import math
 import statistics
 import textwrap
 import time
@@ -36,6 +37,7 @@ from .records import nan_max
 LEGS = ("none", "gradient checkpointing", "swap only", "chameleon model=")
 AGAIN = "none, again"           # CUDA: the plain step a second time, its own reproducibility
 FRACTION = 0.25
+REFERENCE_SLACK = 2.0           # a leg's loss differences against the plain step's own (CUDA)
 # 54 GB/s against 30.4 GiB saved in 0.172 s of forward (an H100, HF Llama 4096x8 at 16k tokens).
 H100_LINK_SHARE = 54e9 / (30.4 * 2**30 / 0.172)
 SIZES = {
@@ -183,6 +185,29 @@ def run_choice(device: torch.device, steps: int,
     return summarize(per_step, peaks, budget, natural, link, losses_identical, size, device)
 
 
+def within_reference(per_step: list, leg: str, reference_max_diff: Optional[float]):
+    """Whether ``leg``'s losses are as exact as the plain step's own (None where the plain step
+    repeats bit for bit: then only bitwise equality counts).
+
+    Each leg trains its own copy of the model with its own optimizer, so on a GPU whose backward
+    kernels are not deterministic the legs' weights drift apart from the first update on, and so
+    do two runs of the plain step: after that the losses compare random walks of one size. The
+    second plain run gives one sample of that walk, and a leg as exact as the GPU allows exceeds
+    one sample's maximum about half the time (the project's H100, 24 steps: the plain step's own
+    largest difference 5.3e-4; checkpointing 4.8e-4, swap only 6.5e-4, the engine 6.1e-4, each
+    leg above the reference's difference at 9 to 11 of the steps). So a leg is within when every difference
+    is at most ``REFERENCE_SLACK`` times the reference's largest (NaN never is), and where the
+    plain step repeated its first step bit for bit (one forward and backward from the same
+    weights: on that H100 every leg's first loss equalled it), the leg's first loss does too."""
+    if not reference_max_diff:
+        return None
+    diffs = [abs(r[leg]["loss"] - r["none"]["loss"]) for r in per_step]
+    if any(math.isnan(d) for d in diffs) or max(diffs) > REFERENCE_SLACK * reference_max_diff:
+        return False
+    first = per_step[0]
+    return not (first.get("reference_diff") == 0 and diffs[0] != 0)
+
+
 def summarize(per_step: list, peaks: dict, budget: int, natural: int, link: Optional[float],
               losses_identical: bool, size: dict, device: torch.device) -> dict:
     timed = per_step[1:] if len(per_step) > 2 else per_step      # the first step sets up
@@ -206,13 +231,12 @@ def summarize(per_step: list, peaks: dict, budget: int, natural: int, link: Opti
             legs[leg]["block_modes"] = [r[leg]["block_modes"] for r in per_step]
         legs[leg]["losses_max_diff"] = nan_max(abs(r[leg]["loss"] - r["none"]["loss"])
                                                for r in per_step)
-    # As the bench harness does: where the plain step differs from itself (CUDA), a leg is as
-    # exact as it can be when it differs from the plain step by no more than that.
+    # Where the plain step differs from itself (CUDA), a leg can be no more exact than that
+    # (``within_reference``).
     ref = [r["reference_diff"] for r in per_step if "reference_diff" in r]
     reference_max_diff = nan_max(ref) if ref else None
     for leg in LEGS:
-        legs[leg]["losses_within_reference"] = (
-            None if not reference_max_diff else legs[leg]["losses_max_diff"] <= reference_max_diff)
+        legs[leg]["losses_within_reference"] = within_reference(per_step, leg, reference_max_diff)
     gc, ours = legs["gradient checkpointing"], legs["chameleon model="]
 
     def compared(key: str) -> str:
@@ -263,7 +287,8 @@ def table(choice: dict) -> list[str]:
                      f"{'yes' if choice['losses_identical'] else 'NO'}")
     else:
         lines.append(f"  losses: the plain step is not bitwise reproducible here (it differs "
-                     f"from itself by up to {ref:.2g}); within that: " + ", ".join(
+                     f"from itself by up to {ref:.2g}); within {REFERENCE_SLACK:g}x that: "
+                     + ", ".join(
                          f"{leg} {'yes' if r['losses_within_reference'] else 'NO'} "
                          f"({r['losses_max_diff']:.2g})"
                          for leg, r in choice["legs"].items() if leg != "none"))
