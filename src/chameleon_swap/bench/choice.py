@@ -195,10 +195,10 @@ def within_reference(per_step: list, leg: str, reference_max_diff: Optional[floa
     second plain run gives one sample of that walk, and a leg as exact as the GPU allows exceeds
     one sample's maximum about half the time (the project's H100, 24 steps: the plain step's own
     largest difference 5.3e-4; checkpointing 4.8e-4, swap only 6.5e-4, the engine 6.1e-4, each
-    leg above the reference's difference at 9 to 11 of the steps). So a leg is within when every difference
-    is at most ``REFERENCE_SLACK`` times the reference's largest (NaN never is), and where the
-    plain step repeated its first step bit for bit (one forward and backward from the same
-    weights: on that H100 every leg's first loss equalled it), the leg's first loss does too."""
+    leg above the reference's difference at 9 to 11 of the steps). So a leg is within when every
+    difference is at most ``REFERENCE_SLACK`` times the reference's largest (NaN never is), and
+    where the plain step repeated its first loss bit for bit (a forward from the same weights:
+    on that H100 every leg's first loss equalled it), the leg's first loss does too."""
     if not reference_max_diff:
         return None
     diffs = [abs(r[leg]["loss"] - r["none"]["loss"]) for r in per_step]
