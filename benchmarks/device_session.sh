@@ -14,13 +14,16 @@
 #    against gradient checkpointing (HF Llama 2048x16 at 4k-8k tokens);
 # 4. the CUDA tests (`-m cuda`), without the sanitizer unless CSAN=1;
 # 5. the sanitizer's own tests alone (a bitwise scenario and a planted race, each in a child
-#    interpreter under TORCH_CUDA_SANITIZER=1); not among the default parts (see PARTS).
+#    interpreter under TORCH_CUDA_SANITIZER=1); not among the default parts (see PARTS);
+# 6. benchmarks/capped.py --device cuda: the capped schedule (31 GiB on all device memory, HF
+#    Llama 4096x8 over 16k/8k/12k/16k/4k/12k/16k tokens, twice), issue 18's last GPU target;
+#    not among the default parts: run it as a second command (PARTS=capped), about a minute.
 #
 # Everything lands in $OUT: one log per part and results.tgz holding the JSON, markdown and PNGs.
-# The limits (seconds) can be changed: HYBRID_S, DEMO_S, TESTS_S, CSAN_S. PARTS names the parts
-# to run (default "hybrid demo tests"; add csan where time is left). CSAN=1 runs every CUDA test
-# under the sanitizer: on an H200 that ran two tests in 150 s, too slow for a lease, hence part
-# 5. The default limits of the default parts sum to 550 s (the -m cuda tests took 123 s on an
+# The limits (seconds) can be changed: HYBRID_S, DEMO_S, TESTS_S, CSAN_S, CAPPED_S. PARTS names
+# the parts to run (default "hybrid demo tests"; add csan or capped where time is left). CSAN=1
+# runs every CUDA test under the sanitizer: on an H200 that ran two tests in 150 s, too slow for a
+# lease, hence part 5. The default limits of the default parts sum to 550 s (the -m cuda tests took 123 s on an
 # H100), under a lease's ten minutes a command; the whole run took 517 s there.
 set -u
 OUT=${OUT:-out/device}
@@ -68,6 +71,13 @@ stamp "csan" >"$OUT/csan.log"
 timeout "${CSAN_S:-110}" python3 -m pytest -p no:cacheprovider -rf -v tests/test_cuda.py \
     -k "sanitizer" >>"$OUT/csan.log" 2>&1
 echo "exit $?" >>"$OUT/csan.log"
+fi
+
+if want capped; then
+stamp "capped" >"$OUT/capped.log"
+timeout "${CAPPED_S:-150}" python3 benchmarks/capped.py --device cuda --out "$WORK/capped" \
+    >>"$OUT/capped.log" 2>&1
+echo "exit $?" >>"$OUT/capped.log"
 fi
 
 tar czf "$OUT/results.tgz" -C "$WORK" . 2>/dev/null

@@ -2,7 +2,9 @@
 
 Parsed on the CPU with ``torch.cuda.is_available`` pretending; nothing runs. The bounds are the
 step counts behind each script's docstring estimate (H100 step times measured for that size), so
-raising a default without estimating again fails here.
+raising a default without estimating again fails here. What a GPU run writes at its end is built
+here too (the hybrid's planner state from real engines, the capped schedule end to end on its CPU
+stand-in): a lease gets one try.
 """
 from __future__ import annotations
 
@@ -98,3 +100,29 @@ def test_hybrid_records_the_planning_each_engine_step_did(script):
     assert all(r["plan_s"] >= 0 for r in rows) and rows[0]["plan_s"] > 0    # its first plan
     assert state["planning_s"] == pytest.approx(sum(r["plan_s"] for r in rows))
     assert state["trained_s"] > 0
+
+
+def test_capped_on_cuda_plans_the_steps_its_estimate_counts(script, fake_cuda):
+    c = script("capped")
+    a = c.parse_args(["--device", "cuda"])
+    assert a.schedule == (16384, 8192, 12288, 16384, 4096, 12288, 16384)
+    assert a.cap_bytes == 31 * 2**30 and a.host_limit_bytes == 96 * 2**30
+    assert a.repeats * len(a.schedule) * len(c.MODES) == 42
+    for bad in (["--cap", "lots"], ["--repeats", "0"], ["--fraction", "2"]):
+        with pytest.raises(SystemExit):
+            c.parse_args(["--device", "cuda", *bad])
+
+
+def test_capped_runs_end_to_end_on_the_cpu_stand_in(script, tmp_path):
+    # The GPU lease gets one try: the whole script runs here on the small CPU model (a budget
+    # and the emulated link stand in for the cap), and writes what the GPU run will.
+    import json
+    c = script("capped")
+    assert c.main(["--quick", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    p = json.loads((tmp_path / "capped-cpu.json").read_text())
+    assert p["losses_bitwise_equal_across_modes"] is True and p["cap_held"] is None
+    assert [r["length"] for r in p["steps"]] == list(c.CPU_SCHEDULE["128x2"])
+    assert set(p["ratio_vs_none"]) == set(c.MODES) and p["ratio_vs_none"]["none"] == 1.0
+    assert all(r["capped"]["budget_bytes"] == int(p["natural_activation_peak_bytes"] * 0.25)
+               for r in p["steps"])
+    assert (tmp_path / "capped-cpu.md").read_text().startswith("# capped schedule on")
