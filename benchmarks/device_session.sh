@@ -23,8 +23,8 @@
 # The limits (seconds) can be changed: HYBRID_S, DEMO_S, TESTS_S, CSAN_S, CAPPED_S. PARTS names
 # the parts to run (default "hybrid demo tests"; add csan or capped where time is left). CSAN=1
 # runs every CUDA test under the sanitizer: on an H200 that ran two tests in 150 s, too slow for a
-# lease, hence part 5. The default limits of the default parts sum to 550 s (the -m cuda tests took 123 s on an
-# H100), under a lease's ten minutes a command; the whole run took 517 s there.
+# lease, hence part 5. The default limits of the default parts sum to 550 s (the -m cuda tests
+# took 123 s on an H100), under a lease's ten minutes a command; the whole run took 517 s there.
 set -u
 OUT=${OUT:-out/device}
 WORK=$(mktemp -d)              # the raw results, tarred into $OUT at the end
