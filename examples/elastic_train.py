@@ -19,10 +19,12 @@ The model is a small Llama (``--layers``, ``--dim``, ``--seq``); the planner is 
 and ``--hardware``, whose memory ``--device-memory`` replaces (on the CPU, a device of that size:
 with 5500000 bytes, 3 ranks keep everything and 2 or 1 must swap and recompute).
 
-Records under ``--records``: ``plans.jsonl`` (rank 0, one line per start: attempt, world, the
-checkpoint it resumed from, the half-written ones it ignored, the planner's answer),
+Records under ``--records``: ``plans.jsonl`` (rank 0, one line per start: its number, the
+restart count, world, the checkpoint it resumed from, the half-written ones it ignored, the
+planner's answer),
 ``samples.jsonl`` (each rank, the sample ids of every step), ``losses.jsonl`` (rank 0, the
-step's loss as ``float.hex``, with the budget and mode in force and what the engine moved).
+step's loss as ``float.hex``, with the budget and mode in force and what the engine moved). Every
+record says which start of the worker group wrote it (``start``, from 0; see ``start_number``).
 
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives every rendezvous round a store of its own: with
 the agents' shared store, the restarted workers' gloo mesh was seen to look up a killed worker's
@@ -30,7 +32,7 @@ stale address and fail to connect (torch 2.13, localhost).
 
 Fault injection for the tests: ``CS_ELASTIC_KILL=STEP:PHASE:AGENT`` (PHASE one of forward,
 backward, optimizer, save) kills the process group of the agent whose ``CS_AGENT`` is AGENT, on
-the first attempt, at that point of that step (``save``: after this rank's shard of step STEP's
+the first start, at that point of that step (``save``: after this rank's shard of step STEP's
 checkpoint is written, before the rename that makes it loadable).
 """
 from __future__ import annotations
@@ -79,10 +81,11 @@ def planner_model(model: Llama, args) -> ModelConfig:
                        state_bytes_per_param=12, name="elastic-llama")
 
 
-def killer(step: int, phase: str):
-    """A function that kills this agent's process group at (step, phase) when asked to."""
+def killer(start: int):
+    """A function that kills this agent's process group at (step, phase) when asked to, on the
+    worker group's first start only."""
     spec = os.environ.get("CS_ELASTIC_KILL")
-    if not spec or restart_count() != 0:
+    if not spec or start != 0:
         return lambda s, p: None
     k_step, k_phase, k_agent = spec.split(":")
     if k_agent != os.environ.get("CS_AGENT"):
@@ -95,6 +98,21 @@ def killer(step: int, phase: str):
             os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)
             os.killpg(os.getpgrp(), signal.SIGKILL)
     return maybe
+
+
+def start_number(log: Path, rank: int) -> int:
+    """Which start of the worker group this is, from 0: each start appends one line to
+    ``plans.jsonl``; rank 0 counts them and tells the others. ``restart_count()``
+    (``TORCHELASTIC_RESTART_COUNT``) counts only the restarts after this node's own worker
+    failed: when torchrun re-forms the group because another node left, the survivors' count
+    stays as it was (torch 2.13: after a node was killed in step 4, the survivors resumed on 2
+    ranks from step 2 at restart count 0; seen in three of the project's test runs)."""
+    n = [0]
+    if rank == 0:
+        plans = log / "plans.jsonl"
+        n[0] = len(plans.read_text().splitlines()) if plans.exists() else 0
+    dist.broadcast_object_list(n, src=0)
+    return int(n[0])
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -144,16 +162,18 @@ def main(argv=None) -> None:
     eng = engine_for(plan, model, device="cpu")
     log = Path(args.records)
     log.mkdir(parents=True, exist_ok=True)
+    n = start_number(log, rank)
     if rank == 0:
         with open(log / "plans.jsonl", "a") as f:
-            f.write(json.dumps({"attempt": attempt, "world": world, "resumed_from": start,
-                                "ignored_incomplete": ignored, "plan": plan,
-                                "engine_budget_bytes": eng.budget_bytes}) + "\n")
-        print(f"attempt {attempt}: world {world}, resuming after step {start}; planner: "
-              f"dp {plan['dp']}, {plan['mode']}, budget {plan['budget_bytes']} bytes per rank "
-              f"({plan['samples_per_rank']} samples)", flush=True)
+            f.write(json.dumps({"start": n, "attempt": attempt, "world": world,
+                                "resumed_from": start, "ignored_incomplete": ignored,
+                                "plan": plan, "engine_budget_bytes": eng.budget_bytes}) + "\n")
+        print(f"start {n} (restart count {attempt}): world {world}, resuming after step "
+              f"{start}; planner: dp {plan['dp']}, {plan['mode']}, budget "
+              f"{plan['budget_bytes']} bytes per rank ({plan['samples_per_rank']} samples)",
+              flush=True)
 
-    kill = killer(0, "")
+    kill = killer(n)
     step_box = [0]
     model.layers[0].register_forward_pre_hook(lambda m, a: kill(step_box[0], "forward"))
     model.tok_emb.weight.register_hook(lambda g: kill(step_box[0], "backward"))
@@ -177,12 +197,12 @@ def main(argv=None) -> None:
         ckpts.commit()
         stats = eng.last_step
         with open(log / "samples.jsonl", "a") as f:
-            f.write(json.dumps({"attempt": attempt, "world": world, "rank": rank, "step": step,
-                                "ids": ids}) + "\n")
+            f.write(json.dumps({"start": n, "attempt": attempt, "world": world, "rank": rank,
+                                "step": step, "ids": ids}) + "\n")
         if rank == 0:
             with open(log / "losses.jsonl", "a") as f:
                 f.write(json.dumps({
-                    "attempt": attempt, "world": world, "step": step,
+                    "start": n, "attempt": attempt, "world": world, "step": step,
                     "loss": float(loss).hex(), "time": time.time(), "mode": plan["mode"],
                     "budget_bytes": stats.budget_bytes,
                     "peak_resident_bytes": stats.peak_resident_bytes,

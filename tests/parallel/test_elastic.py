@@ -91,24 +91,26 @@ def _records(tmp: Path, name: str) -> list[dict]:
 
 
 def _final(records: list[dict]) -> dict:
-    """Per step, the records of its last attempt."""
+    """Per step, the records of the last start of the worker group that ran it (``start``: the
+    example counts every start; torchrun's restart count misses a group re-formed because
+    another node left)."""
     last: dict = {}
     for r in records:
-        if r["attempt"] >= last.get(r["step"], (-1, None))[0]:
-            if r["attempt"] > last.get(r["step"], (-1, None))[0]:
-                last[r["step"]] = (r["attempt"], [])
+        if r["start"] >= last.get(r["step"], (-1, None))[0]:
+            if r["start"] > last.get(r["step"], (-1, None))[0]:
+                last[r["step"]] = (r["start"], [])
             last[r["step"]][1].append(r)
     return {s: rs for s, (_, rs) in last.items()}
 
 
 def _reference(run: Path, tmp: Path, world: int) -> tuple[dict, dict]:
     """Failure-free on ``world`` ranks from ``run``'s step-2 checkpoint (committed before its
-    failure, never rewritten after), with ``run``'s first-attempt losses of steps 1-2: losses by
+    failure, never rewritten after), with ``run``'s first start's losses of steps 1-2: losses by
     step, and the plan it applied."""
     for s in (0, 2):
         shutil.copytree(run / "ckpt" / f"step-{s}", tmp / "ckpt" / f"step-{s}")
     (tmp / "log").mkdir()
-    first = [r for r in _records(run, "losses.jsonl") if r["attempt"] == 0 and r["step"] <= 2]
+    first = [r for r in _records(run, "losses.jsonl") if r["start"] == 0 and r["step"] <= 2]
     assert [r["step"] for r in first] == [1, 2]
     (tmp / "log" / "losses.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first))
     _torchrun(tmp, world, str(world))
@@ -161,7 +163,7 @@ def test_kill_one_agent_and_recover(tmp_path, reference, point):
     # A restart happened, on fewer ranks, from the step-2 checkpoint: the one of step 4 that
     # was being written when the agent died (4:save) was never loaded. (The survivors usually
     # re-form 2 ranks; torchrun may also restart again and continue on 1.)
-    after = [s for s, rs in losses.items() if rs[0]["attempt"] > 0]
+    after = [s for s, rs in losses.items() if rs[0]["start"] > 0]
     assert after == list(range(3, STEPS + 1))
     worlds = {samples[s][0]["world"] for s in after}
     assert len(worlds) == 1 and worlds <= {1, 2}
@@ -170,7 +172,8 @@ def test_kill_one_agent_and_recover(tmp_path, reference, point):
     # in every step is the plan's. The survivors take more samples each: a smaller budget,
     # under which the engine moves activations (3 ranks keep everything).
     plans = _records(tmp_path, "plans.jsonl")
-    assert plans[0]["attempt"] == 0 and plans[0]["world"] == 3
+    assert [p["start"] for p in plans] == list(range(len(plans))) and len(plans) > 1
+    assert plans[0]["world"] == 3
     assert plans[-1]["world"] == world and plans[-1]["resumed_from"] == 2
     # 4:save: step 4's checkpoint was written (by the killed rank at least) but not committed.
     assert plans[-1]["ignored_incomplete"] == ([4] if point == "4:save" else [])
@@ -180,9 +183,9 @@ def test_kill_one_agent_and_recover(tmp_path, reference, point):
     first, last = plans[0]["plan"], plans[-1]["plan"]
     assert first["mode"] == "none" and last["recompute"]
     assert last["budget_bytes"] < first["budget_bytes"]
-    by_attempt = {p["attempt"]: p["plan"] for p in plans}
+    by_start = {p["start"]: p["plan"] for p in plans}
     for s, rs in losses.items():
-        plan = by_attempt[rs[0]["attempt"]]
+        plan = by_start[rs[0]["start"]]
         assert (rs[0]["budget_bytes"], rs[0]["mode"]) == (plan["budget_bytes"], plan["mode"])
     # (Under the survivors' budget the engine moves or recomputes: which, is the planner's.)
     assert all(losses[s][0]["offloaded_bytes"] + losses[s][0]["recomputed_bytes"] > 0

@@ -228,7 +228,10 @@ def global_loss(local_sum: torch.Tensor, global_batch: int) -> torch.Tensor:
 
 
 def restart_count() -> int:
-    """How many times torchrun has restarted the workers (0 on the first attempt)."""
+    """How many times torchrun restarted this node's workers after a worker failed
+    (``TORCHELASTIC_RESTART_COUNT``; 0 on the first attempt). A group torchrun re-forms because
+    another node left or joined keeps the count as it was, so it does not number the starts
+    (``examples/elastic_train.py`` counts those itself)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
