@@ -25,6 +25,12 @@ CALIBRATION_CLAMP = (0.5, 2.0)   # measured over predicted step time, believed w
 MIN_CALIBRATION_RUNS = 2         # mixes that ran before their ratio calibrates the others
 
 
+def moving(modes, predicted) -> bool:
+    """Whether a mix (block ``modes``, its swap plan's ``predicted``) is a moving one: it copies
+    or recomputes selectively, where the model is least sure."""
+    return bool(predicted.moved_bytes) or "selective" in modes
+
+
 def calibrations(ran: Iterable[tuple[bool, float]]) -> tuple[float, float]:
     """(quiet, moving): the factors a quiet and a moving mix that did not run are read at, from
     ``(moving, measured / predicted)`` of each mix that ran."""

@@ -62,7 +62,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Sequence
 
-from .calibration import calibrations
+from .calibration import calibrations, moving
 from .ladder import best_count
 from .swaps import plan as plan_swaps
 from .timeline import Plan, Prediction, Profile, Span, unmoved_peak
@@ -236,7 +236,7 @@ def plan_hybrid(profile: Profile, blocks: Sequence[Block], budget: Optional[int]
     swap = final if search.key(final.predicted, best) <= search.key(quick.predicted, best) else quick
     made = _made(search.view(best), blocks, best, swap, profile)
     quiet = [m for m, p in search.plans.items() if m != best and m not in search.measured
-             and "selective" not in m and not p.predicted.moved_bytes
+             and not moving(m, p.predicted)
              and search.key(p.predicted, m)[:3] == (0, False, 0)]
     if quiet:
         fb = min(quiet, key=lambda m: (search.score(m), m))
@@ -300,8 +300,8 @@ class _ModeSearch:
         host_over = 0 if self.host_limit is None else max(0, pred.moved_bytes - self.host_limit)
         recomputed = sum(m != "keep" for m in modes)
         over = 0 if pred.budget_ok else pred.peak_bytes
-        moving = bool(pred.moved_bytes) or "selective" in modes
-        seconds = self.measured.get(modes, pred.total_seconds * self.calibration[moving])
+        seconds = self.measured.get(
+            modes, pred.total_seconds * self.calibration[moving(modes, pred)])
         return (host_over, not pred.budget_ok, over, round(seconds / self.scale, 9),
                 recomputed, pred.moved_bytes)
 
@@ -363,7 +363,7 @@ class _ModeSearch:
             self.refine(m)
         # Moving mixes (copies, selective) by the moving ones that ran (``calibration.py``).
         self.calibration = calibrations(
-            (bool(p.predicted.moved_bytes) or "selective" in m, t / p.predicted.total_seconds)
+            (moving(m, p.predicted), t / p.predicted.total_seconds)
             for m, t, p in ((m, t, self._plan(m)) for m, t in self.measured.items())
             if p.predicted.total_seconds > 0)
         n = len(self.order)
@@ -390,8 +390,8 @@ class _ModeSearch:
             return best
         ran = self.measured.get(incumbent)
         inc = self._plan(incumbent).predicted
-        if ran is not None and ran > (1 + SWITCH_GAIN) * inc.total_seconds and (
-                inc.moved_bytes or "selective" in incumbent):
+        if ran is not None and ran > (1 + SWITCH_GAIN) * inc.total_seconds and moving(
+                incumbent, inc):
             return best       # well above its prediction where the model is least sure: no loyalty
         now, new = self.score(incumbent), self.score(best)
         if now[:3] == new[:3] and new[3] > (1 - SWITCH_GAIN) * now[3]:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from ..config import format_bytes
+from ..planning.calibration import moving
 from ..planning.modes import SWITCH_GAIN, HybridPlan
 
 
@@ -136,7 +137,7 @@ def until_warm(hp, warm: bool):
     checkpointing's step time. Also not ``warm``: a plan made from another size's view, scaled
     (on the CPU demo such a plan kept three blocks and moved 3.9 MB, predicted 60-67 ms, and ran
     84-102 ms where checkpointing ran 58-63 ms)."""
-    if warm or hp.fallback is None or not (hp.predicted.moved_bytes or "selective" in hp.modes):
+    if warm or hp.fallback is None or not moving(hp.modes, hp.predicted):
         return hp
     return hp.fallback
 
