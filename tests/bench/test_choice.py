@@ -35,8 +35,16 @@ def test_the_four_legs_run_side_by_side_and_say_who_won():
         assert c["legs"][leg]["steady_ratio_vs_none"] == pytest.approx(
             sum(r[leg]["seconds"] for r in steady) / sum(r["none"]["seconds"] for r in steady))
     assert "over the last 2" in c["verdict"]
+    # The engines' planning at step ends is in their seconds, and shown as a share of them.
+    for leg in ("swap only", "chameleon model="):
+        timed = c["steps"][1:]
+        assert c["legs"][leg]["planning_share"] == pytest.approx(
+            sum(r[leg]["planning"] for r in timed) / sum(r[leg]["seconds"] for r in timed))
+        assert all(0 <= r[leg]["planning"] < r[leg]["seconds"] for r in timed)
+    assert "planning_share" not in c["legs"]["gradient checkpointing"]
     lines = choice.table(c)
     assert "last 2" in lines[1]
+    assert any(x.startswith("  of which planning at step ends: swap only ") for x in lines)
     assert lines[-1] == c["verdict"] and any("block modes" in x for x in lines)
 
 

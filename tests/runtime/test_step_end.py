@@ -1,8 +1,10 @@
 """The step's end: the policy plans with Python's cyclic garbage collector paused, and the
-collector's state is put back as it was (``runtime/step_end.py``)."""
+collector's state is put back as it was; its time is reported apart from the step's
+(``runtime/step_end.py``)."""
 from __future__ import annotations
 
 import gc
+import time
 
 import pytest
 
@@ -95,3 +97,31 @@ def test_the_collector_comes_back_when_planning_raises(eager_collector, monkeypa
         with pytest.raises(RuntimeError, match="planning failed"):
             train_step(model, batch, eng)
     assert gc.isenabled()
+
+
+def test_planning_is_reported_apart_from_the_step(monkeypatch):
+    """``StepStats.planning_seconds``: the policy's end of step on the real clock, outside
+    ``host_seconds`` (two disjoint intervals inside the wall time around the step), summed in
+    the totals and shown in the step's line."""
+    real = ChameleonPolicy.end_step
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.3)                      # a plan that takes 0.3 s at least
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(ChameleonPolicy, "end_step", slow)
+    model = tiny_llama(n_layers=2)
+    batches = lm_batches(model, [16, 24])
+    budget = natural_peak(model, batches[0]) // 2
+    walls = []
+    with cs.Chameleon(budget, model=model, min_tensor_bytes=0) as eng:
+        for b in batches:
+            t0 = time.perf_counter()
+            train_step(model, b, eng)
+            walls.append(time.perf_counter() - t0)
+    assert len(eng.history) == 2
+    for st, wall in zip(eng.history, walls):
+        assert st.planning_seconds >= 0.3
+        assert st.host_seconds + st.planning_seconds <= wall
+        assert st.step_seconds == st.host_seconds          # the CPU: the step without its end
+        assert "planning " in str(st)
+    assert eng.totals.planning_seconds == sum(s.planning_seconds for s in eng.history)

@@ -165,7 +165,7 @@ def run_choice(device: torch.device, steps: int,
                     s = eng.last_step
                     row[leg].update(peak=s.peak_resident_bytes, block_modes=list(s.block_modes),
                                     plan_source=s.plan_source, stall=s.stall_seconds,
-                                    moved=s.offloaded_bytes)
+                                    moved=s.offloaded_bytes, planning=s.planning_seconds)
                 opts[leg].step()
                 opts[leg].zero_grad(set_to_none=True)
                 losses[leg] = loss.detach()
@@ -229,6 +229,9 @@ def summarize(per_step: list, peaks: dict, budget: int, natural: int, link: Opti
                      "peak_saved_bytes": peak, "fits_budget": peak <= budget}
         if leg == "chameleon model=":
             legs[leg]["block_modes"] = [r[leg]["block_modes"] for r in per_step]
+        if "planning" in timed[0][leg]:
+            # The engine's end of step (learning, planning) is in its leg's seconds: its share.
+            legs[leg]["planning_share"] = sum(r[leg]["planning"] for r in timed) / sum(secs)
         legs[leg]["losses_max_diff"] = nan_max(abs(r[leg]["loss"] - r["none"]["loss"])
                                                for r in per_step)
     # Where the plain step differs from itself (CUDA), a leg can be no more exact than that
@@ -278,6 +281,11 @@ def table(choice: dict) -> list[str]:
                      f"{r.get('steady_ratio_vs_none', float('nan')):>11.2f}x"
                      f"{format_bytes(r['peak_saved_bytes']):>14}"
                      f"  {'yes' if r['fits_budget'] else 'no'}")
+    shares = [f"{leg} {r['planning_share']:.0%}" for leg, r in choice["legs"].items()
+              if r.get("planning_share") is not None]
+    if shares:
+        lines.append("  of which planning at step ends: " + ", ".join(shares)
+                     + " of their time (steps after the first)")
     modes = choice["legs"]["chameleon model="]["block_modes"]
     lines.append("  block modes (keep, selective, full) per step: "
                  + " ".join(str(tuple(m)) for m in modes))
@@ -312,6 +320,11 @@ def plot_choice(choice: dict, path) -> Optional[object]:
     a1.bar([i + 0.2 for i in range(4)],
            [choice["legs"][k].get("steady_ratio_vs_none", float("nan")) for k in legs],
            width=0.4, color=colors, alpha=0.45, hatch="//", label="last half")
+    share = [choice["legs"][k].get("planning_share") for k in legs]
+    if any(v is not None for v in share):     # the part of the engines' steps spent planning
+        a1.bar([i - 0.2 for i in range(4)],
+               [(v or 0.0) * choice["legs"][k]["ratio_vs_none"] for k, v in zip(legs, share)],
+               width=0.4, color="none", edgecolor="k", hatch="..", label="of which planning")
     a1.axhline(1.0, color="k", lw=0.8)
     a1.set_ylabel("step time / none")
     a1.legend(fontsize=7)

@@ -60,6 +60,10 @@ class StepStats:
     # and plan again. None: no plan applied.
     predicted_step_seconds: Optional[float] = None
     profiler_seconds: float = 0.0      # host time the profiler took during this step
+    # Host time the policy took once the step was over: learning from its profile and making
+    # plans (swap plans; mode plans with model=). Not in step_seconds or host_seconds (the
+    # planner's model is of the step itself), but in the wall time around ``with eng.step():``.
+    planning_seconds: float = 0.0
     profile_mode: str = "lightweight"  # "lightweight" | "detailed" (timed)
     signature: str = ""                # exact hash of this step's operator sequence
     plan_overrides: int = 0            # tensors a plan kept that the guard had to move
@@ -110,6 +114,8 @@ class StepStats:
             parts.append(f"budget lowered to {format_bytes(self.min_budget_bytes)}")
         if self.memory_tightened:
             parts.append("memory tightened")
+        if self.planning_seconds >= 1e-3:
+            parts.append(f"planning {self.planning_seconds * 1e3:.1f} ms")
         parts.append(self.plan_source + (" (changed)" if self.sequence_changed else ""))
         return " | ".join(parts)
 
@@ -158,6 +164,7 @@ class StepTotals:
     step_seconds: float = 0.0              # steps whose time is known (see StepStats)
     host_seconds: float = 0.0
     profiler_seconds: float = 0.0
+    planning_seconds: float = 0.0          # after the steps, outside their step_seconds
     peak_resident_bytes: int = 0           # the most of any step
     host_wait_seconds: float = 0.0
     host_deferred_moves: int = 0
@@ -167,8 +174,8 @@ class StepTotals:
         self.failed_steps += bool(st.failed)
         for name in ("saved_bytes", "offloaded_bytes", "prefetched_bytes", "fetched_bytes",
                      "sync_fetches", "forced_offloads", "recomputed_bytes", "stall_seconds",
-                     "host_seconds", "profiler_seconds", "host_wait_seconds",
-                     "host_deferred_moves"):
+                     "host_seconds", "profiler_seconds", "planning_seconds",
+                     "host_wait_seconds", "host_deferred_moves"):
             setattr(self, name, getattr(self, name) + getattr(st, name))
         if st.step_seconds is not None:      # else added when known (StepTimer.resolve)
             self.step_seconds += st.step_seconds
