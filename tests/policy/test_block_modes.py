@@ -93,6 +93,53 @@ def test_a_slow_link_recomputes_a_fast_one_swaps(link, recomputes, steady_clock)
         assert last.recomputed_bytes == 0 and last.recompute_seconds == 0
 
 
+def _upsized_run(link: str, engine_kwargs: dict) -> list:
+    """CheapNet at 40% of its longest step's peak: two steps of one size, then one twice as
+    long, larger than every size planned."""
+    torch.manual_seed(0)
+    batches = [(randn(4, n, 64, seed=i),) for i, n in enumerate((1024, 1024, 2048))]
+    history, _, _ = compare(CheapNet(), batches, lambda peaks: int(max(peaks) * 0.4),
+                            model_kwarg=True, min_tensor_bytes=2**16, **engine_kwargs)
+    return history
+
+
+def test_a_size_larger_than_every_plan_runs_full_where_their_peak_would_not_fit(steady_clock):
+    # On a fast link the short size's plan keeps every block and moves the rest: its peak is
+    # the budget, twice that at twice the length. Before, the long step ran that plan and the
+    # guard copied out what did not fit (its copies stalled an H100's step 2.5x); now it runs
+    # every block full, which fits (the guard forces nothing), and predicts nothing (no plan
+    # was made for such a mix).
+    history = _upsized_run(FAST, {"link_bandwidth": FAST})
+    assert history[1].block_modes == (4, 0, 0) and history[1].offloaded_bytes > 0
+    long = history[2]
+    assert long.block_modes == (0, 0, 4) and long.forced_offloads == 0, long
+    assert long.predicted_step_seconds is None
+
+
+def test_a_larger_size_on_the_real_clock_runs_full_or_a_plan_that_fits():
+    # The twin on the real clock and the emulated link: which mix the short size runs depends
+    # on the clock; the long step runs every block full, or that plan where its peak, scaled,
+    # fits: either way the guard forces no copy out.
+    history = _upsized_run(FAST, {"emulate_link": FAST})
+    long = history[2]
+    assert long.forced_offloads == 0, long
+    if long.block_modes == (0, 0, 4):
+        assert long.predicted_step_seconds is None
+
+
+def test_upsized_by_hand():
+    from types import SimpleNamespace
+
+    from chameleon_swap.policy.mix_runs import ModePlan, upsized
+    hybrid = SimpleNamespace(predicted=SimpleNamespace(peak_bytes=100))
+    plan = ModePlan({0: "keep"}, {}, 1000, 150, True, hybrid, key=5)
+    assert upsized(plan, False, 2000, 150)          # 200 scaled > 150
+    assert not upsized(plan, False, 2000, 200)      # fits exactly
+    assert not upsized(plan, True, 2000, 150)       # the size has its own plan
+    assert not upsized(None, False, 2000, 150)      # nothing planned yet
+    assert not upsized(plan, False, 500, 60)        # a larger size's plan, scaled down: 50
+
+
 def test_nothing_recomputed_or_moved_when_the_step_fits():
     model = llama()
     history, _, _ = compare(model, lm_batches(model, [16, 16, 24]), 2.0, model_kwarg=True,

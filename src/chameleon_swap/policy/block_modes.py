@@ -7,7 +7,7 @@ step's size.
 * Sizes. A step is keyed by its step size (``signatures.step_size``: its first block's input,
   tokens x hidden, bucketed). Each key gets a plan of its own; a step of a key not planned yet
   runs the plan of the nearest larger key (more recomputation is the safe side), else of the
-  largest, and its key is planned at the end of that step.
+  largest or every block full (``mix_runs.upsized``); its key is planned at the end of the step.
 * Keep views (``keep_views``): the step as it is with every block kept, measured on a detailed
   step that ran so (the very first step does), else the nearest one scaled to the size. Timed
   steps in other mixes correct the view its size plans from, and the size is planned again. A
@@ -48,7 +48,7 @@ from . import keep_views
 from .checks import MISS, pinned  # MISS: a mix that ran this much slower than planned: again
 from .keep_views import KeepView, scaled
 from .mix_runs import (ModePlan, MixRuns, Trials, moved, no_host_room, no_mix_fits,
-                       source, until_warm)
+                       source, until_warm, upsized)
 
 REPLAN_BUDGET_CHANGE = 0.05     # a budget that moved by more than this re-plans the key
 REPLAN_MOVE_CHANGE = 0.3       # so does a cost of a move that changed by more than this
@@ -95,6 +95,7 @@ class BlockModes:
         self.key: Optional[int] = None
         self.input_bytes = 0
         self.plan: Optional[ModePlan] = None
+        self.upsized = False                # a size no plan fits: every block full
         self.probing: Optional[int] = None
         self.pending: dict[int, int] = {}   # recomputes not begun: bytes beside their inputs
         self.forced: dict[int, int] = {}    # blocks run full for host room: their working sets
@@ -106,10 +107,11 @@ class BlockModes:
         if self.budget is None:
             return "keep"
         if self.key is None:                 # the step's first block call: its size
-            self.key = step_size(input_bytes)
-            self.input_bytes = input_bytes
+            self.key, self.input_bytes = step_size(input_bytes), input_bytes
             self.plan = self._nearest(input_bytes)
-        planned = self.plan.modes.get(b, "keep") if self.plan is not None else "keep"
+            self.upsized = upsized(self.plan, self.key in self.plans, input_bytes, self.budget)
+        planned = ("full" if self.upsized else self.plan.modes.get(b, "keep")
+                   if self.plan is not None else "keep")
         probe = self._probe is not None and b == self._probe and self.probing is None
         if planned == "keep" and not probe:
             return "keep"                    # (the common case: no working set to look up)
@@ -121,8 +123,7 @@ class BlockModes:
                 self.pending[b] = rest
                 return "selective"
             # Selective keeps every matmul's output from forward, also those a kept block does
-            # not save (a projection back to the residual stream, about its input's size
-            # each), beside its inputs: it might not fit. Not probed, then.
+            # not save (projections back to the residual stream): it may not fit. Not probed.
             self._probe, self._probed = None, True
         if planned != "keep":
             if ws > self.budget:
@@ -135,7 +136,7 @@ class BlockModes:
     def predicted_seconds(self) -> Optional[float]:
         """The applied mode plan's step time, scaled to this step's size; None without one."""
         p = self.plan
-        if p is None or self.key is None:
+        if p is None or self.key is None or self.upsized:
             return None
         pred = p.hybrid.predicted
         if pred is None:
@@ -321,8 +322,8 @@ class BlockModes:
                                                 self.input_bytes, cold, self.views.param_shapes)
 
     def _learn_full(self, calls: list) -> None:
-        """``keep_views.full_ratio``'s running mean, for later plans; no key is planned again for
-        it (replanning every key when it changed made a 12-step demo plan on most steps)."""
+        """``keep_views.full_ratio``'s running mean for later plans (no key planned again: that
+        made a 12-step demo plan on most steps)."""
         r = keep_views.full_ratio(self._view_near(self.input_bytes), calls, self.input_bytes)
         old = self.full_seconds_ratio
         self.full_seconds_ratio = old if not r else r if old is None else 0.5 * (r + old)
@@ -331,8 +332,7 @@ class BlockModes:
         b, view = self.probing, self._view_near(self.input_bytes)
         self._probe, self._probed = None, True
         call = next((c for c in calls if c.block == b and c.mode == "selective"), None)
-        got = call and keep_views.selective_ratios(view, call, self.input_bytes)
-        if got:
+        if got := call and keep_views.selective_ratios(view, call, self.input_bytes):
             self.sel_bytes_ratio, self.sel_seconds_ratio = got
             self.stale.update(self.plans)       # every key planned again, selective known
 
@@ -372,8 +372,8 @@ class BlockModes:
                if old is not None and old.key == key and not old.stand_in else None)
         budget, trusted = self.budget - self.margin.get(key, 0), self.warm and measured
         hp = (None if trusted else plan_quiet(prof, blocks, budget)) or until_warm(plan_hybrid(
-            prof, blocks, budget, host_limit=host, measured=self.measured(key, view.block_ids),
-            incumbent=now), trusted)
+            prof, blocks, budget, host_limit=host, incumbent=now,
+            measured=self.measured(key, view.block_ids)), trusted)
         modes = dict(zip(view.block_ids, hp.modes))
         self.plans[key] = ModePlan(modes, dict(zip(view.block_ids, hp.working_set)),
                                    view.input_bytes, self.budget, measured, hp, key=key,

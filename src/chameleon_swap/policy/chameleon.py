@@ -390,7 +390,8 @@ class ChameleonPolicy:
         tl = replace(profile.to_timeline(d2h, h2d), move_seconds=self.checks.move_seconds())
         tl_plan = make_plan(tl, self.ex.budget)
         entry = compile_plan(profile, tl_plan, self.step_no)
-        entry.detailed = entry.detailed and not pinned(profile)   # (timed while pinning: again)
+        if pinned(profile):      # timed while pinning: planned again, and it predicts nothing
+            entry.detailed, entry.predicted_step_seconds = False, 0.0
         if profile.blocks:
             entry.modes = {}
             for c in profile.blocks:

@@ -142,6 +142,18 @@ def until_warm(hp, warm: bool):
     return hp.fallback
 
 
+def upsized(plan: Optional[ModePlan], own: bool, input_bytes: int, budget: int) -> bool:
+    """Whether a step of ``input_bytes`` whose size has no plan of its own (``own`` False) runs
+    every block full instead of ``plan`` (made for the nearest size: a larger one where there is
+    one): where that plan's predicted peak, scaled to this size, would not fit ``budget``. A
+    smaller size's plan keeps what fit that size, and the guard's copies of the rest stall: on an
+    H100 the demo's second step, twice the first's length, ran the first's plan at 620 ms where
+    checkpointing ran 250 ms. Full recomputation is the safe side, at about checkpointing's
+    cost."""
+    pred = plan.hybrid.predicted if plan is not None and not own else None
+    return pred is not None and pred.peak_bytes * input_bytes > budget * plan.input_bytes
+
+
 def no_mix_fits(budget: int, hp) -> str:
     """The warning for a mode plan (``hp``) whose mix, the smallest found, exceeds ``budget``."""
     k, sel, full = hp.counts()
