@@ -93,35 +93,50 @@ def test_a_slow_link_recomputes_a_fast_one_swaps(link, recomputes, steady_clock)
         assert last.recomputed_bytes == 0 and last.recompute_seconds == 0
 
 
-def _upsized_run(link: str, engine_kwargs: dict) -> list:
+def _upsized_run(engine_kwargs: dict, link_at_long=None) -> list:
     """CheapNet at 40% of its longest step's peak: two steps of one size, then one twice as
-    long, larger than every size planned."""
+    long, larger than every size planned (``link_at_long``: the link the mode policy reads from
+    then on, bytes/s each way)."""
     torch.manual_seed(0)
     batches = [(randn(4, n, 64, seed=i),) for i, n in enumerate((1024, 1024, 2048))]
+    done = []
+
+    def between(eng):
+        done.append(True)
+        if len(done) == 2 and link_at_long is not None:
+            eng._policy.modes.bandwidth_fn = lambda: (link_at_long, link_at_long)
     history, _, _ = compare(CheapNet(), batches, lambda peaks: int(max(peaks) * 0.4),
-                            model_kwarg=True, min_tensor_bytes=2**16, **engine_kwargs)
+                            model_kwarg=True, min_tensor_bytes=2**16, between=between,
+                            **engine_kwargs)
     return history
 
 
-def test_a_size_larger_than_every_plan_runs_full_where_their_peak_would_not_fit(steady_clock):
+@pytest.mark.parametrize("slow", [True, False])
+def test_a_size_larger_than_every_plan_runs_full_where_the_link_cannot_hide_the_excess(
+        slow, steady_clock):
     # On a fast link the short size's plan keeps every block and moves the rest: its peak is
-    # the budget, twice that at twice the length. Before, the long step ran that plan and the
-    # guard copied out what did not fit (its copies stalled an H100's step 2.5x); now it runs
-    # every block full, which fits (the guard forces nothing), and predicts nothing (no plan
-    # was made for such a mix).
-    history = _upsized_run(FAST, {"link_bandwidth": FAST})
+    # the budget, twice that at twice the length. Where the link can copy that excess out in
+    # the forward, the long step runs the plan (the guard copies the excess out) and keeps its
+    # first visit's keep view; where it cannot (here the link is made 10 MB/s for the long
+    # step: on an H100 such copies stalled the step 2.5x), it runs every block full, which
+    # fits (the guard forces nothing), and predicts nothing (no plan was made for such a mix).
+    history = _upsized_run({"link_bandwidth": FAST}, 1e7 if slow else None)
     assert history[1].block_modes == (4, 0, 0) and history[1].offloaded_bytes > 0
     long = history[2]
-    assert long.block_modes == (0, 0, 4) and long.forced_offloads == 0, long
-    assert long.predicted_step_seconds is None
+    if slow:
+        assert long.block_modes == (0, 0, 4) and long.forced_offloads == 0, long
+        assert long.predicted_step_seconds is None
+    else:
+        assert long.block_modes == (4, 0, 0) and long.offloaded_bytes > 0, long
+        assert long.predicted_step_seconds is not None
 
 
-def test_a_larger_size_on_the_real_clock_runs_full_or_a_plan_that_fits():
-    # The twin on the real clock and the emulated link: which mix the short size runs depends
-    # on the clock; the long step runs every block full, or that plan where its peak, scaled,
-    # fits: either way the guard forces no copy out.
-    history = _upsized_run(FAST, {"emulate_link": FAST})
-    long = history[2]
+def test_a_larger_size_on_the_real_clock_runs_full_or_a_plan_whose_excess_the_link_hides():
+    # The twin on the real clock and the emulated link, made 10 MB/s for the long step: which
+    # mix the short size runs depends on the clock; the long step runs every block full, or
+    # that plan where its excess is within what the link copies in the forward: either way the
+    # guard forces no copy out.
+    long = _upsized_run({"emulate_link": FAST}, 1e7)[2]
     assert long.forced_offloads == 0, long
     if long.block_modes == (0, 0, 4):
         assert long.predicted_step_seconds is None
@@ -130,14 +145,18 @@ def test_a_larger_size_on_the_real_clock_runs_full_or_a_plan_that_fits():
 def test_upsized_by_hand():
     from types import SimpleNamespace
 
+    from chameleon_swap.planning.timeline import Profile
     from chameleon_swap.policy.mix_runs import ModePlan, upsized
-    hybrid = SimpleNamespace(predicted=SimpleNamespace(peak_bytes=100))
+    view = Profile([0.25, 0.25, 1.0], 2, [], 1.0, 1.0)          # a forward of 0.5 s
+    hybrid = SimpleNamespace(predicted=SimpleNamespace(peak_bytes=100), profile=view)
     plan = ModePlan({0: "keep"}, {}, 1000, 150, True, hybrid, key=5)
-    assert upsized(plan, False, 2000, 150)          # 200 scaled > 150
-    assert not upsized(plan, False, 2000, 200)      # fits exactly
-    assert not upsized(plan, True, 2000, 150)       # the size has its own plan
-    assert not upsized(None, False, 2000, 150)      # nothing planned yet
-    assert not upsized(plan, False, 500, 60)        # a larger size's plan, scaled down: 50
+    # At twice the size: peak 200, forward 1 s; over a budget of 150 by 50 bytes.
+    assert upsized(plan, False, 2000, 150, 49.0)     # 50 bytes take 1.02 s: not hidden
+    assert not upsized(plan, False, 2000, 150, 51.0)  # 0.98 s: hidden in the forward
+    assert not upsized(plan, False, 2000, 200, 1.0)  # fits exactly
+    assert not upsized(plan, True, 2000, 150, 1.0)   # the size has its own plan
+    assert not upsized(None, False, 2000, 150, 1.0)  # nothing planned yet
+    assert not upsized(plan, False, 500, 60, 1.0)    # a larger size's plan, scaled down: 50
 
 
 def test_nothing_recomputed_or_moved_when_the_step_fits():

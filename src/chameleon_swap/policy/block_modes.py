@@ -95,7 +95,7 @@ class BlockModes:
         self.key: Optional[int] = None
         self.input_bytes = 0
         self.plan: Optional[ModePlan] = None
-        self.upsized = False                # a size no plan fits: every block full
+        self.upsized = False                # a size no plan fits (mix_runs.upsized)
         self.probing: Optional[int] = None
         self.pending: dict[int, int] = {}   # recomputes not begun: bytes beside their inputs
         self.forced: dict[int, int] = {}    # blocks run full for host room: their working sets
@@ -109,7 +109,8 @@ class BlockModes:
         if self.key is None:                 # the step's first block call: its size
             self.key, self.input_bytes = step_size(input_bytes), input_bytes
             self.plan = self._nearest(input_bytes)
-            self.upsized = upsized(self.plan, self.key in self.plans, input_bytes, self.budget)
+            self.upsized = upsized(self.plan, self.key in self.plans, input_bytes, self.budget,
+                                   self.bandwidth_fn()[0])
         planned = ("full" if self.upsized else self.plan.modes.get(b, "keep")
                    if self.plan is not None else "keep")
         probe = self._probe is not None and b == self._probe and self.probing is None
@@ -126,9 +127,8 @@ class BlockModes:
             # not save (projections back to the residual stream): it may not fit. Not probed.
             self._probe, self._probed = None, True
         if planned != "keep":
-            if ws > self.budget:
-                return "keep"        # its recompute and inputs alone would not fit (a plan
-                                     # made for a shorter size): kept, its tensors can move
+            if ws > self.budget:     # its recompute alone would not fit (a shorter size's
+                return "keep"        # plan, or every block full): kept, its tensors can move
             self.pending[b] = rest
         return planned
 
