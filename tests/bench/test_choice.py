@@ -41,6 +41,10 @@ def test_the_four_legs_run_side_by_side_and_say_who_won():
         assert c["legs"][leg]["planning_share"] == pytest.approx(
             sum(r[leg]["planning"] for r in timed) / sum(r[leg]["seconds"] for r in timed))
         assert all(0 <= r[leg]["planning"] < r[leg]["seconds"] for r in timed)
+        # The engine's own figures beside the leg's wall time: the step without its end, and
+        # what its plan predicted (for reading a run afterwards).
+        assert all(r[leg]["step_s"] + r[leg]["planning"] <= r[leg]["seconds"] for r in timed)
+    assert any(r["chameleon model="]["predicted"] for r in c["steps"][1:])
     assert "planning_share" not in c["legs"]["gradient checkpointing"]
     lines = choice.table(c)
     assert "last 2" in lines[1]

@@ -165,7 +165,8 @@ def run_choice(device: torch.device, steps: int,
                     s = eng.last_step
                     row[leg].update(peak=s.peak_resident_bytes, block_modes=list(s.block_modes),
                                     plan_source=s.plan_source, stall=s.stall_seconds,
-                                    moved=s.offloaded_bytes, planning=s.planning_seconds)
+                                    moved=s.offloaded_bytes, planning=s.planning_seconds,
+                                    step_s=s.step_seconds, predicted=s.predicted_step_seconds)
                 opts[leg].step()
                 opts[leg].zero_grad(set_to_none=True)
                 losses[leg] = loss.detach()
