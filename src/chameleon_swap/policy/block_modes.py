@@ -296,7 +296,7 @@ class BlockModes:
         if n < 2 or mix != planned:  # (a mix's first step ran on a stand-in swap plan)
             return
         if self.trials.running(self.key, plan):
-            back = self.trials.back(self.key, seen[-1]) if n == 2 else None
+            back = self.trials.back(self.key, n, seen)
             if back is not None:                    # not clearly faster: back, and the size
                 self.plans[self.key] = back         # planned again on what both ran at
                 self.stale.add(self.key)
