@@ -17,9 +17,8 @@ ones of 347 ms, and the size left the mix).
 A plan's fallback (``HybridPlan.fallback``: the best other mix that moves nothing) is run
 against the mix the plan chose once per size (``Trials``); after its third step (the faster of
 its second and third) the faster stays, by more than ``SWITCH_GAIN`` (one step's time varies by
-10-30% on a shared CPU). Before
-any step after the engine's first was timed, a plan that copies or recomputes selectively runs
-its fallback outright (``until_warm``).
+10-30% on a shared CPU). Before any step after the engine's first was timed, a plan that copies
+or recomputes selectively runs its fallback outright (``until_warm``).
 
 The warnings a mode plan gives (no mix fits the budget, or the host room) are worded here too.
 """
@@ -157,12 +156,12 @@ def upsized(plan: Optional[ModePlan], own: bool, input_bytes: int, budget: int,
     one): where that plan's predicted peak, scaled to this size, exceeds ``budget`` by more than
     the link (``d2h`` bytes/s) can copy out in the plan's forward, scaled. The guard's copies of
     that excess would stall: on an H100 the demo's second step, twice the first's length, ran
-    the first's plan (4.2 GiB over, about 80 ms of copies for a forward of about 60) at 620 ms
-    where checkpointing ran 250 ms. Full recomputation is the safe side, at about
-    checkpointing's cost. Where the link hides the excess, the plan runs, and the size keeps
-    its first visit's keep view (none comes of a step run full: HF Llama 256x4 at 75%, running
-    its longest size full on its first visit left that size without one, and its mixes at 1.25x
-    the plain step where swapping alone ran 1.10x)."""
+    the first's plan at 620 ms where checkpointing ran 250 ms (by this rule's arithmetic about
+    4.2 GiB over, 80 ms of copies against a forward of about 60). Full recomputation is the safe
+    side, at about checkpointing's cost. Where the link hides the excess, the plan runs, and the
+    size keeps its first visit's keep view (none comes of a step run full: HF Llama 256x4 at
+    75%, running its longest size full on its first visit left that size without one, and its
+    mixes at 1.25x the plain step where swapping alone ran 1.10x)."""
     pred = plan.hybrid.predicted if plan is not None and not own else None
     if pred is None or pred.peak_bytes * input_bytes <= budget * plan.input_bytes:
         return False
