@@ -163,11 +163,11 @@ def upsized(plan: Optional[ModePlan], own: bool, input_bytes: int, budget: int,
     75%, running its longest size full on its first visit left that size without one, and its
     mixes at 1.25x the plain step where swapping alone ran 1.10x)."""
     pred = plan.hybrid.predicted if plan is not None and not own else None
-    if pred is None or pred.peak_bytes * input_bytes <= budget * plan.input_bytes:
+    if pred is None:
         return False
     view, scale = plan.hybrid.profile, input_bytes / max(1, plan.input_bytes)
-    forward = sum(view.compute[:view.n_forward]) * scale
-    return (pred.peak_bytes * scale - budget) / d2h > forward
+    over = pred.peak_bytes * scale - budget
+    return over > 0 and over / d2h > view.starts[view.n_forward] * scale
 
 
 def no_mix_fits(budget: int, hp) -> str:
