@@ -339,8 +339,10 @@ def test_host_memory_running_out_mid_step_then_smaller_steps_are_exact(with_mode
         with probe.step():
             c.run(m)
         need = probe._pool.peak_in_use_bytes
+    # (plans made on the step's thread: the large step's plan, and its warning, come at its end)
     c.eng = cs.Chameleon(c.budget, device="cpu", min_tensor_bytes=0, host_memory_limit=2 * need,
-                         **({"model": c.model} if with_model else {}))
+                         **({"model": c.model, "plan_in_background": False} if with_model
+                            else {}))
     with c.eng:
         c.clean_step()
         small_x, c.x = c.x, big_x

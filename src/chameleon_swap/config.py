@@ -205,8 +205,14 @@ class EngineConfig:
     history_size: int = DEFAULT_HISTORY_SIZE
     # CPU only: copies take as long as a link of this bandwidth would (None: a plain memmove).
     emulate_link: Union[int, float, str, None] = None
+    # With model=: mode plans made in a planner process while steps run (policy/background.py).
+    plan_in_background: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.plan_in_background, bool):
+            raise TypeError(f"plan_in_background must be True (mode plans made in a planner "
+                            f"process while steps run) or False (made on the step's thread); got "
+                            f"{self.plan_in_background!r}")
         self.link_bandwidth_bytes_per_s = parse_bandwidth(self.link_bandwidth, "link_bandwidth")
         self.emulate_link_bytes_per_s = parse_bandwidth(self.emulate_link, "emulate_link")
         self.length_tolerance = _fraction(self.length_tolerance, "length_tolerance")

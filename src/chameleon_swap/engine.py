@@ -89,6 +89,14 @@ class Chameleon:
             memmove the step hides, it reproduces a GPU's ratio of bytes to compute, so stalls,
             plans and the choice to recompute can be seen and tested. The planner then assumes
             this bandwidth unless ``link_bandwidth`` says otherwise. None (default): plain copies.
+        plan_in_background: with ``model=``, a step size's mode plan (the search over keep,
+            selective and full per block) is made in a planner process, a plain Python process
+            started at the first plan (no torch, no device; ended by ``close()``), while the
+            next steps run: the plan applies from the first step that begins after it is made,
+            and until then the size runs what it ran. True (default); False makes each plan on
+            the step's thread as the step ends, applied from the next step on (the same plans;
+            only when they apply differs). Where the process cannot run, plans are made on the
+            step's thread.
         trace_dir: a directory (created if missing) that receives every step's trace for the
             simulator, ``step-<n>.json`` (``chameleon_swap.sim.load(trace_dir)`` reads them
             back): its slot times, saved tensors and what it measured. Every step is then
@@ -114,14 +122,16 @@ class Chameleon:
                  model: Optional[torch.nn.Module] = None, blocks=None,
                  link_bandwidth: Union[int, float, str, None] = None,
                  history_size: int = DEFAULT_HISTORY_SIZE,
-                 emulate_link: Union[int, float, str, None] = None) -> None:
+                 emulate_link: Union[int, float, str, None] = None,
+                 plan_in_background: bool = True) -> None:
         self.config = EngineConfig(budget=budget, min_tensor_bytes=min_tensor_bytes,
                                    device_memory_limit=device_memory_limit, policy=policy,
                                    host_memory_limit=host_memory_limit,
                                    host_memory_reserve=host_memory_reserve,
                                    length_tolerance=length_tolerance, min_similarity=min_similarity,
                                    plan_cache_size=plan_cache_size, link_bandwidth=link_bandwidth,
-                                   history_size=history_size, emulate_link=emulate_link)
+                                   history_size=history_size, emulate_link=emulate_link,
+                                   plan_in_background=plan_in_background)
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module (the model being trained) or None; "
                             f"got {type(model).__name__}")
@@ -281,6 +291,9 @@ class Chameleon:
         policy.modes.views.param_shapes = frozenset(
             s for p in model.parameters() if p.dim() >= 2
             for s in (tuple(p.shape), tuple(p.shape)[::-1]))
+        if self.config.plan_in_background:
+            from .policy.background import Worker
+            policy.modes.worker = Worker()          # (its process starts with the first plan)
         runner.install()
         return runner
 
@@ -303,6 +316,9 @@ class Chameleon:
         self._ex.settle()
         if self._runner is not None:
             self._runner.remove()
+            worker = self._policy.modes.worker
+            if worker is not None:
+                worker.close()
         for h in self._hooks:
             h.remove()
         self._hooks = []

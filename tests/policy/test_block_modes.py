@@ -105,9 +105,11 @@ def _upsized_run(engine_kwargs: dict, link_at_long=None) -> list:
         done.append(True)
         if len(done) == 2 and link_at_long is not None:
             eng._policy.modes.bandwidth_fn = lambda: (link_at_long, link_at_long)
+    # Plans made on the step's thread (``plan_in_background=False``): which plan the long step
+    # runs is the test (with a planner process it depends on when the short size's lands).
     history, _, _ = compare(CheapNet(), batches, lambda peaks: int(max(peaks) * 0.4),
                             model_kwarg=True, min_tensor_bytes=2**16, between=between,
-                            **engine_kwargs)
+                            plan_in_background=False, **engine_kwargs)
     return history
 
 
@@ -197,7 +199,7 @@ def test_llama_at_half_its_peak_on_a_slow_link_recomputes(clock, request):
         request.getfixturevalue("steady_clock")
     model = llama()
     history, _, budget = compare(model, lm_batches(model, [24] * 5), 0.5, model_kwarg=True,
-                                 **link)
+                                 plan_in_background=False, **link)   # (planned for step 2 on)
     assert all(s.peak_resident_bytes <= budget for s in history)
     assert any(s.block_modes[2] + s.block_modes[1] and s.recomputed_bytes for s in history), \
         history[-1]
@@ -291,6 +293,7 @@ def test_plans_are_made_per_size():
         for b in batches:
             train_step(model, b, eng)
         modes = eng._policy.modes
+        modes.collect(wait=True)               # (the planner process's last plans landed)
         assert len(modes.plans) == 2
         assert all(p.budget == budget for p in modes.plans.values())
 
@@ -349,7 +352,7 @@ def test_mixes_are_ranked_by_what_they_ran_at_on_the_emulated_link():
         model.blocks[i].load_state_dict(blk.state_dict())
     batches = [(randn(4, 2048, 64, seed=0),)] * 16
     history, _, budget = compare(model, batches, 0.4, model_kwarg=True, emulate_link="1GB/s",
-                                 min_tensor_bytes=2**16)
+                                 min_tensor_bytes=2**16, plan_in_background=False)
     assert any(s.block_modes[2] > 0 for s in history[:4]), [s.block_modes for s in history]
     last = [s.block_modes[2] for s in history[-3:]]
     most = max(s.block_modes[2] for s in history)
@@ -544,14 +547,14 @@ def test_planning_time_stays_within_its_share_after_the_first_plans_on_the_emula
     budget = int(natural_peak(model, batches[1]) * 0.3)
     plans = []                                   # (first, free, seconds) of every plan made
     with cs.Chameleon(budget, device="cpu", min_tensor_bytes=0, model=model,
-                      emulate_link="20MB/s") as eng:
+                      emulate_link="20MB/s", plan_in_background=False) as eng:  # (timed here)
         modes = eng._policy.modes
         make = modes._make
 
-        def timed(key, free=False):
+        def timed(key, free=False, after=None):
             first = key not in modes.plans
             t0 = time.perf_counter()
-            make(key, free=free)
+            make(key, free=free, after=after)
             plans.append((first, free, time.perf_counter() - t0))
         modes._make = timed
         for b in batches:
@@ -754,7 +757,8 @@ def test_the_first_plans_fall_back_and_are_made_again_on_the_emulated_link(monke
         stand_in.append(m.plan is not None and m.plan.stand_in)   # the plan the step ran
         ranked.append(sum(m.runs.steps.values()))                 # steps kept against a mix
     history, _, budget = compare(model, batches, 0.4, model_kwarg=True, emulate_link="1GB/s",
-                                 min_tensor_bytes=2**16, between=between)
+                                 min_tensor_bytes=2**16, between=between,
+                                 plan_in_background=False)      # (step by step, as planned)
     runs = [(s.plan_source, s.block_modes, s.offloaded_bytes) for s in history]
     assert all(s.peak_resident_bytes <= budget for s in history)
     assert history[0].plan_source == "guard" and history[0].offloaded_bytes > 0, runs

@@ -101,7 +101,9 @@ def test_the_mode_plan_keeps_its_copies_within_the_host_limit(case, clock, monke
     from chameleon_swap.policy import block_modes
     monkeypatch.setattr(block_modes, "FIRST_PLANS_FALL_BACK", False)
     m = copy.deepcopy(case["model"])
-    with cs.Chameleon(case["budget"], device="cpu", min_tensor_bytes=0, model=m, **clock) as eng:
+    # (plans made on the step's thread: ``_make`` below lands its plan at once)
+    with cs.Chameleon(case["budget"], device="cpu", min_tensor_bytes=0, model=m, **clock,
+                      plan_in_background=False) as eng:
         modes = eng._policy.modes
 
         def step():
@@ -144,7 +146,8 @@ def test_with_no_host_room_the_plan_copies_nothing_and_warns_once(case, clock):
     it finds one that copies a little, over the host limit."""
     m = copy.deepcopy(case["model"])
     budget = int(case["budget"] * 0.7)
-    with cs.Chameleon(budget, device="cpu", min_tensor_bytes=0, model=m, **clock) as eng:
+    with cs.Chameleon(budget, device="cpu", min_tensor_bytes=0, model=m, **clock,
+                      plan_in_background=False) as eng:          # (``_make`` lands at once)
         for _ in range(2):
             with eng.step():
                 case["run"](m)

@@ -7,7 +7,8 @@ step's size.
 * Sizes. A step is keyed by its step size (``signatures.step_size``: its first block's input,
   tokens x hidden, bucketed). Each key gets a plan of its own; a step of a key not planned yet
   runs the plan of the nearest larger key (more recomputation is the safe side), else of the
-  largest or every block full (``mix_runs.upsized``); its key is planned at the end of the step.
+  largest or every block full (``mix_runs.upsized``); its key is planned at the end of the step
+  (``size_plans``: by default in the planner process, the plan landing at a later step's start).
 * Keep views (``keep_views``): the step as it is with every block kept, measured on a detailed
   step that ran so (the very first step does), else the nearest one scaled to the size. Timed
   steps in other mixes correct the view its size plans from, and the size is planned again. A
@@ -35,29 +36,24 @@ step's size.
 from __future__ import annotations
 
 import statistics
-import time
-import warnings
-from dataclasses import replace
 from typing import Callable, Optional
 
-from ..copy.host_pool import ALIGN
-from ..planning.modes import plan_hybrid, working_set
-from ..planning.quiet import plan_quiet
+from ..planning.modes import working_set
 from ..planning.signatures import step_size
 from . import keep_views
 from .checks import MISS, pinned  # MISS: a mix that ran this much slower than planned: again
 from .keep_views import KeepView, scaled
-from .mix_runs import (ModePlan, MixRuns, Trials, moved, no_host_room, no_mix_fits,
-                       source, until_warm, upsized)
+from .mix_runs import ModePlan, MixRuns, Trials, moved, source, upsized
+from .size_plans import Job, SizePlans
 
 REPLAN_BUDGET_CHANGE = 0.05     # a budget that moved by more than this re-plans the key
 REPLAN_MOVE_CHANGE = 0.3       # so does a cost of a move that changed by more than this
 PLANNING_SHARE = 0.05           # planning again takes at most this share of the steps' time
-FIRST_PLANS_FALL_BACK = True    # plans from the first step's times run their fallback (_plan_key)
+FIRST_PLANS_FALL_BACK = True    # plans from the first step's times run their fallback (size_plans)
 COLD_STEPS = 4                  # ... at most this many steps (then warm, whatever was timed)
 
 
-class BlockModes:
+class BlockModes(SizePlans):
     def __init__(self, bandwidth_fn: Callable[[], tuple],
                  move_fn: Callable[[], float] = lambda: 0.0) -> None:
         self.bandwidth_fn = bandwidth_fn
@@ -87,10 +83,13 @@ class BlockModes:
         self.trials = Trials()                          # per key: its fallback's trial
         self.timed: dict = {}                           # key -> timed steps' compute (keep_views)
         self.warm = not FIRST_PLANS_FALL_BACK          # compute timed past the first step
+        self.jobs: dict[int, Job] = {}                  # key -> its plan being made (size_plans)
         self.begin_step(None)
 
     # ------------------------------------------------------------------ during the step
     def begin_step(self, budget: Optional[int]) -> None:
+        if self.jobs:
+            self.collect()                  # plans the planner process has made: from now on
         self.budget = budget
         self.key: Optional[int] = None
         self.input_bytes = 0
@@ -152,6 +151,10 @@ class BlockModes:
         (what the guard moved beyond the plan), and plan it again when the ration allows
         (``may_replan``, ``fruitless``), else at a later step; while put off, the plan is the
         one the corrections were measured against, and it takes no more."""
+        if key in self.jobs:                 # (one is being made: once it lands)
+            self.stale.add(key)
+            self.put_off.add(key)
+            return
         if key not in self.put_off:
             self.compute_scale[key] = self.compute_scale.get(key, 1.0) * compute_factor
             if self.budget is not None and missed_bytes > 0:
@@ -163,12 +166,7 @@ class BlockModes:
             return
         self.stale.discard(key)
         self.put_off.discard(key)
-        old = self.plans.get(key)
-        self._make(key)
-        if key in self.plans:
-            self.plans[key].replanned = True
-            n = n + 1 if old is not None and old.modes == self.plans[key].modes else 0
-            self.fruitless[key] = (n, self.visits.get(key, 0) + (2 ** n if n else 0))
+        self._make(key, after=(n, self.plans.get(key), self.visits.get(key, 0)))
 
     def may_replan(self) -> bool:
         """Planning again fits its share of the steps' time; first plans are made anyway, and
@@ -232,6 +230,8 @@ class BlockModes:
         elif kept and not self.views:       # slow for its pinning: a first view, cold, at most
             self._learn_view(profile, calls, cold=True)
         self._warmed(sum(self.visits.values()) >= COLD_STEPS)  # no step could tell: as they are
+        if self.key in self.jobs:
+            return                              # its plan is being made: what it asks, then
         plan = self.plans.get(self.key)
         dearer = plan is not None and moved(plan.move_seconds, self.move_fn(), REPLAN_MOVE_CHANGE)
         if plan is not None and not plan.measured and self.key in self.views:
@@ -271,8 +271,10 @@ class BlockModes:
         if not (timed and keep_views.thaw(self.views, timed, self.input_bytes)):
             return
         here, self.warm = self.input_bytes, True
-        for key, plan in list(self.plans.items()):
-            self.input_bytes = plan.input_bytes         # (the size the key was planned at)
+        sizes = {key: plan.input_bytes for key, plan in self.plans.items()}
+        sizes.update((key, job.input_bytes) for key, job in self.jobs.items())  # (replaced)
+        for key, size in sizes.items():
+            self.input_bytes = size                     # (the size the key was planned at)
             self._make(key, free=True)
             self.stale.discard(key)
         self.input_bytes = here
@@ -293,8 +295,8 @@ class BlockModes:
             return              # (a stand-in runs in the first, slow steps: it ranks nothing)
         mix, seen, n = self.runs.add(self.key, calls, profile.step_seconds)
         planned = tuple(sorted((b, plan.modes.get(b, "keep")) for b, _ in mix))
-        if n < 2 or mix != planned:  # (a mix's first step ran on a stand-in swap plan)
-            return
+        if n < 2 or mix != planned or self.key in self.jobs:  # (a mix's first step ran on a
+            return          # stand-in swap plan; a plan being made decides what runs next)
         if self.trials.running(self.key, plan):
             back = self.trials.back(self.key, n, seen)
             if back is not None:                    # not clearly faster: back, and the size
@@ -335,66 +337,3 @@ class BlockModes:
         if got := call and keep_views.selective_ratios(view, call, self.input_bytes):
             self.sel_bytes_ratio, self.sel_seconds_ratio = got
             self.stale.update(self.plans)       # every key planned again, selective known
-
-    def _make(self, key: int, free: bool = False) -> None:
-        t0 = time.perf_counter()
-        try:
-            self._plan_key(key)
-        finally:
-            dt = time.perf_counter() - t0
-            self.planning_seconds += dt
-            self.unrationed += dt if free else 0.0
-
-    def _plan_key(self, key: int) -> None:
-        view = self.views.get(key)
-        measured = view is not None
-        if view is None:
-            view = self._view_near(self.input_bytes)
-            if view is None:
-                return
-            view = scaled(view, self.input_bytes / max(1, view.input_bytes), self.input_bytes)
-        f = self.compute_scale.get(key, 1.0)
-        if f != 1.0:
-            view = scaled(view, 1.0, view.input_bytes, seconds=f)
-        d2h, h2d = self.bandwidth_fn()
-        prof = replace(view.profile, d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d,
-                       move_seconds=self.move_fn())
-        sel = self.sel_bytes_ratio, self.sel_seconds_ratio     # (none where it cannot run)
-        blocks = [keep_views.with_ratios(prof, blk, *(sel if self._sel_ok(b) else (None, None)),
-                                         self.full_seconds_ratio)
-                  for b, blk in zip(view.block_ids, view.blocks)]
-        # Host room: the limit less a page per span (every host buffer takes whole pages).
-        host = (None if self.host_limit is None
-                else max(0, self.host_limit - ALIGN * len(prof.spans)))
-        old = self.plans.get(key)
-        # The mix the size runs stays unless another is clearly faster; a stand-in never does.
-        now = (tuple(old.modes.get(b, "keep") for b in view.block_ids)
-               if old is not None and old.key == key and not old.stand_in else None)
-        budget, trusted = self.budget - self.margin.get(key, 0), self.warm and measured
-        hp = (None if trusted else plan_quiet(prof, blocks, budget)) or until_warm(plan_hybrid(
-            prof, blocks, budget, host_limit=host, incumbent=now,
-            measured=self.measured(key, view.block_ids)), trusted)
-        modes = dict(zip(view.block_ids, hp.modes))
-        self.plans[key] = ModePlan(modes, dict(zip(view.block_ids, hp.working_set)),
-                                   view.input_bytes, self.budget, measured, hp, key=key,
-                                   move_seconds=prof.move_seconds, stand_in=not trusted,
-                                   views_version=self.views.version)
-        pred = hp.predicted
-        fits = pred.peak_bytes <= self.budget and not pred.forced_offloads
-        if not fits and self.budget not in self.warned_budgets:
-            self.warned_budgets.add(self.budget)
-            warnings.warn(no_mix_fits(self.budget, hp), RuntimeWarning, stacklevel=2)
-        if host is not None and pred.moved_bytes > host and not self.warned_host:
-            self.warned_host = True
-            warnings.warn(no_host_room(self.host_limit, hp), RuntimeWarning, stacklevel=2)
-        if not self._probed and self._probe is None and self.sel_bytes_ratio is None \
-                and self.warm:                             # (not for a warm-up fallback's)
-            # The last full block in forward order: its kept outputs are held the shortest
-            # (its backward comes first), and then only as part of its working set.
-            self._probe = max((b for b, m in modes.items() if m == "full" and self._sel_ok(b)),
-                              default=None)
-
-    def _sel_ok(self, b: int) -> bool:
-        """Selective can run block ``b`` (``BlockRunner.selective_safe``; any, with no runner)."""
-        s = self.selective_safe
-        return not s or (b < len(s) and s[b] is True)

@@ -1,0 +1,165 @@
+"""Making a step size's mode plan: its inputs, the plan (in-process or in the planner process),
+and what it sets once made (``block_modes.BlockModes``' part that plans; a base class of it).
+
+With a planner process (``worker``: ``background.Worker``, the engine's default) a plan is
+handed over at the step's end (``_make``) and lands at a later step's start, once made
+(``collect``): until then the size runs what it ran (its previous plan, or the nearest size's),
+and the step's thread never waits for the search (on the project's CPU demo 40-145 ms a plan,
+12-14% of the engine's time). Without one (``plan_in_background=False``, or where the process
+cannot run) it is made at once, and used from the next step on. A size has at most one plan
+being made: what asks for another meanwhile is put off (``stale``) until it lands, except a
+thaw's (``_thaw``), whose newer figures replace it.
+
+The time a plan takes (the search's own, in either process) is charged to the planning share
+as before (``may_replan``), so the two ways plan alike; only where the time is spent differs.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from ..copy.host_pool import ALIGN
+from ..planning.jobs import plan_size
+from . import keep_views
+from .keep_views import scaled
+from .mix_runs import ModePlan, no_host_room, no_mix_fits, until_warm
+
+
+@dataclass
+class Job:
+    """One size's plan being made: the search's inputs, and what its landing needs."""
+    args: tuple                 # plan_size's arguments
+    block_ids: list
+    input_bytes: int
+    budget: int
+    measured: bool              # from the size's own keep view
+    trusted: bool               # warm figures and own view (else it stands in: until_warm)
+    move_seconds: float
+    views_version: int
+    host: Optional[int]
+    seconds: float = 0.0        # spent on the step's thread preparing it
+    free: bool = False          # a thaw's (not charged to the share)
+    after: Optional[tuple] = None    # a replan's (repeats, old plan, visits) (``_replanned``)
+    ticket: Optional[int] = None
+
+
+class SizePlans:
+    worker = None               # background.Worker, where plans are made in another process
+
+    def collect(self, wait: bool = False) -> None:
+        """Land the plans the planner process has made (``wait``: all of them, waiting)."""
+        for key, job in list(self.jobs.items()):
+            if not (wait or self.worker.ready(job.ticket)):
+                continue
+            del self.jobs[key]
+            seconds, ok, hp = self.worker.result(job.ticket)
+            if not ok:          # (the process failed: this plan, and all later, made here)
+                t0 = time.perf_counter()
+                hp = plan_size(*job.args)
+                seconds = time.perf_counter() - t0
+            self._charge(seconds + job.seconds, job.free)
+            self._land(key, job, hp)
+            if job.after is not None:
+                self._replanned(key, *job.after)
+
+    def _make(self, key: int, free: bool = False, after: Optional[tuple] = None) -> None:
+        """Plan ``key`` (``free``: not charged to the share; ``after``: a replan's, see
+        ``_replanned``): handed to the planner process where one runs, else made now."""
+        t0 = time.perf_counter()
+        if self.worker is not None and self.worker.broken is None:
+            job = self._job(key)
+            if job is None:
+                return
+            ticket = self.worker.submit("plan_size", *job.args)
+            if ticket is not None:
+                old = self.jobs.pop(key, None)
+                if old is not None:
+                    self.worker.drop(old.ticket)
+                job.ticket, job.free, job.after = ticket, free, after
+                job.seconds = time.perf_counter() - t0
+                self.jobs[key] = job
+                return
+        try:
+            self._plan_key(key)
+        finally:
+            self._charge(time.perf_counter() - t0, free)
+        if after is not None:
+            self._replanned(key, *after)
+
+    def _charge(self, seconds: float, free: bool) -> None:
+        self.planning_seconds += seconds
+        self.unrationed += seconds if free else 0.0
+
+    def _replanned(self, key: int, n: int, old, visits: int) -> None:
+        """A replan of ``key`` landed: reported as such, and where it chose the mix ``old``
+        had, the size waits 2, 4, 8... of its visits (from ``visits``) before the next."""
+        if key in self.plans:
+            self.plans[key].replanned = True
+            n = n + 1 if old is not None and old.modes == self.plans[key].modes else 0
+            self.fruitless[key] = (n, visits + (2 ** n if n else 0))
+
+    def _plan_key(self, key: int) -> None:
+        job = self._job(key)
+        if job is not None:
+            self._land(key, job, plan_size(*job.args))
+
+    def _job(self, key: int) -> Optional[Job]:
+        """What planning ``key`` takes, as the policy knows it now (None: no view to plan from)."""
+        view = self.views.get(key)
+        measured = view is not None
+        if view is None:
+            view = self._view_near(self.input_bytes)
+            if view is None:
+                return None
+            view = scaled(view, self.input_bytes / max(1, view.input_bytes), self.input_bytes)
+        f = self.compute_scale.get(key, 1.0)
+        if f != 1.0:
+            view = scaled(view, 1.0, view.input_bytes, seconds=f)
+        d2h, h2d = self.bandwidth_fn()
+        prof = replace(view.profile, d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d,
+                       move_seconds=self.move_fn())
+        sel = self.sel_bytes_ratio, self.sel_seconds_ratio     # (none where it cannot run)
+        blocks = [keep_views.with_ratios(prof, blk, *(sel if self._sel_ok(b) else (None, None)),
+                                         self.full_seconds_ratio)
+                  for b, blk in zip(view.block_ids, view.blocks)]
+        # Host room: the limit less a page per span (every host buffer takes whole pages).
+        host = (None if self.host_limit is None
+                else max(0, self.host_limit - ALIGN * len(prof.spans)))
+        old = self.plans.get(key)
+        # The mix the size runs stays unless another is clearly faster; a stand-in never does.
+        now = (tuple(old.modes.get(b, "keep") for b in view.block_ids)
+               if old is not None and old.key == key and not old.stand_in else None)
+        budget, trusted = self.budget - self.margin.get(key, 0), self.warm and measured
+        args = (prof, blocks, budget, host, now, self.measured(key, view.block_ids), not trusted)
+        return Job(args, list(view.block_ids), view.input_bytes, self.budget, measured, trusted,
+                   prof.move_seconds, self.views.version, host)
+
+    def _land(self, key: int, job: Job, hp) -> None:
+        """Plan ``hp`` (``plan_size``'s, for ``job``) becomes ``key``'s."""
+        hp = until_warm(hp, job.trusted)
+        modes = dict(zip(job.block_ids, hp.modes))
+        self.plans[key] = ModePlan(modes, dict(zip(job.block_ids, hp.working_set)),
+                                   job.input_bytes, job.budget, job.measured, hp, key=key,
+                                   move_seconds=job.move_seconds, stand_in=not job.trusted,
+                                   views_version=job.views_version)
+        pred = hp.predicted
+        fits = pred.peak_bytes <= job.budget and not pred.forced_offloads
+        if not fits and job.budget not in self.warned_budgets:
+            self.warned_budgets.add(job.budget)
+            warnings.warn(no_mix_fits(job.budget, hp), RuntimeWarning, stacklevel=2)
+        if job.host is not None and pred.moved_bytes > job.host and not self.warned_host:
+            self.warned_host = True
+            warnings.warn(no_host_room(self.host_limit, hp), RuntimeWarning, stacklevel=2)
+        if not self._probed and self._probe is None and self.sel_bytes_ratio is None \
+                and self.warm:                             # (not for a warm-up fallback's)
+            # The last full block in forward order: its kept outputs are held the shortest
+            # (its backward comes first), and then only as part of its working set.
+            self._probe = max((b for b, m in modes.items() if m == "full" and self._sel_ok(b)),
+                              default=None)
+
+    def _sel_ok(self, b: int) -> bool:
+        """Selective can run block ``b`` (``BlockRunner.selective_safe``; any, with no runner)."""
+        s = self.selective_safe
+        return not s or (b < len(s) and s[b] is True)

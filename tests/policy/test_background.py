@@ -1,0 +1,161 @@
+"""The planner process (``policy/background.py``), and plans made in it (``size_plans.py``)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import chameleon_swap as cs
+from chameleon_swap.planning.jobs import plan_size
+from chameleon_swap.planning.timeline import unmoved_peak
+from chameleon_swap.policy import background
+from chameleon_swap.policy.background import Worker
+from chameleon_swap.policy.mix_runs import until_warm
+
+from _helpers import compare, natural_peak, train_step
+from _models import lm_batches, tiny_llama
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "planning"))
+from test_modes import _gpu_keep_view  # noqa: E402  (the H100's traces as keep views)
+
+
+def _args(prof, blocks, frac):
+    return (prof, blocks, int(unmoved_peak(prof) * frac), None, None, {}, False)
+
+
+def test_the_planner_process_makes_the_plans_this_process_would():
+    # The H100's own traces, three budgets each, handed over at once: the process answers every
+    # ticket with the plan made here, field for field (pure Python, no hash order in it).
+    jobs = [_args(*_gpu_keep_view(name), frac)
+            for name in ("h4096-unreached-16384", "h4096-b10GiB-model-16384")
+            for frac in (0.25, 0.5, 0.75)]
+    w = Worker()
+    try:
+        tickets = [w.submit("plan_size", *a) for a in jobs]
+        assert None not in tickets and w.broken is None
+        for t, a in zip(tickets, jobs):
+            seconds, ok, plan = w.result(t)
+            assert ok and seconds > 0 and plan == plan_size(*a)
+    finally:
+        w.close()
+    assert w.broken == "the planner process was closed"
+    assert w._proc.wait(5) == 0               # it ended at the end of its input
+
+
+def test_the_planner_process_runs_without_torch():
+    # The stand-in package keeps the package's __init__ (and torch) out of the process.
+    probe = background.BOOT.replace(
+        "serve(sys.stdin.buffer, out)",
+        "out.write(repr(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'numpy'))).encode())")
+    here = os.path.dirname(os.path.dirname(background.__file__))
+    got = subprocess.run([sys.executable, "-I", "-S", "-c", probe, here], capture_output=True,
+                         timeout=60, check=True)
+    assert got.stdout == b"[]", got
+
+
+def test_a_worker_that_cannot_start_says_why_and_takes_no_job(monkeypatch):
+    monkeypatch.setattr(background.sys, "executable", "/nonexistent/python")
+    w = Worker()
+    assert w.submit("plan_size", 1) is None
+    assert w.broken.startswith("the planner process could not start")
+
+
+def test_a_ticket_dropped_before_its_answer_never_comes_back():
+    prof, blocks = _gpu_keep_view("h4096-unreached-16384")
+    w = Worker()
+    try:
+        first = w.submit("plan_size", *_args(prof, blocks, 0.25))
+        second = w.submit("plan_size", *_args(prof, blocks, 0.5))
+        w.drop(first)
+        assert w.result(second)[1]
+        assert first not in w._shared.done and not w._shared.dropped   # (answered, discarded)
+    finally:
+        w.close()
+
+
+# --------------------------------------------------------------------------- with the engine
+def _engine_run(lengths):
+    model = tiny_llama(dim=64, n_layers=3, max_seq_len=256)
+    batches = lm_batches(model, lengths, B=2)
+    budget = int(min(natural_peak(model, b) for b in batches) * 0.3)
+    return model, batches, budget
+
+
+def test_plans_made_in_the_planner_process_hold_the_budget_and_every_bit():
+    # The real clock and the emulated link: sizes run whatever plan has landed when they
+    # begin (their own, or the nearest size's), and every loss and gradient stays bitwise and
+    # every step within its budget (``compare``). Once the plans made so far have landed (after
+    # the sixth step, waited for here), each size runs its own, from the cache.
+    model = tiny_llama(dim=64, n_layers=3, max_seq_len=256)
+    lengths = [96, 160, 128] * 3
+    seen = []
+
+    def between(eng):
+        seen.append(eng)
+        if len(seen) == 6:
+            eng._policy.modes.collect(wait=True)
+    history, _, _ = compare(model, lm_batches(model, lengths), 0.3, model_kwarg=True,
+                            emulate_link="200MB/s", between=between)
+    assert [s.plan_source for s in history[6:]] != [] and all(
+        s.plan_source in ("cache", "replanned") for s in history[6:]), history
+    worker = seen[0]._policy.modes.worker
+    assert worker._next >= 3                    # (every size's plan went to the process)
+    assert worker.broken == "the planner process was closed"           # with the engine
+    assert worker._proc.wait(5) is not None
+
+
+def test_a_plan_is_handed_over_then_lands_as_made_here():
+    model, batches, budget = _engine_run([96, 160, 96, 160])
+    with cs.Chameleon(budget, device="cpu", min_tensor_bytes=0, model=model,
+                      emulate_link="200MB/s") as eng:
+        modes = eng._policy.modes
+        for b in batches:
+            train_step(model, b, eng)
+        modes.collect(wait=True)
+        key = next(iter(modes.plans))
+        before = modes.plans[key]
+        modes.input_bytes = before.input_bytes
+        modes._make(key)                                    # handed over: not made here
+        job = modes.jobs[key]
+        assert modes.plans[key] is before and job.ticket is not None
+        modes._make(key)                                    # a second replaces the first
+        assert modes.jobs[key] is not job and job.ticket not in modes.worker._shared.done
+        job = modes.jobs[key]
+        modes.replan(key, 0.5)                              # one is being made: put off
+        assert key in modes.stale and key in modes.put_off and modes.jobs[key] is job
+        assert modes.compute_scale.get(key, 1.0) == 1.0     # and no correction taken
+        spent = modes.planning_seconds
+        modes.collect(wait=True)
+        assert not modes.jobs and modes.planning_seconds > spent    # its time is charged
+        assert modes.plans[key].hybrid == until_warm(plan_size(*job.args), job.trusted)
+
+
+def test_where_the_planner_process_dies_the_plan_is_made_here():
+    model, batches, budget = _engine_run([96, 160, 96])
+    with cs.Chameleon(budget, device="cpu", min_tensor_bytes=0, model=model,
+                      emulate_link="200MB/s") as eng:
+        modes = eng._policy.modes
+        for b in batches:
+            train_step(model, b, eng)
+        modes.collect(wait=True)
+        key = next(iter(modes.plans))
+        modes.input_bytes = modes.plans[key].input_bytes
+        modes.worker._proc.kill()
+        modes.worker._proc.wait(5)
+        modes._make(key)                 # handed over before the death is seen, or made here
+        job = modes.jobs.get(key)
+        modes.collect(wait=True)
+        assert modes.worker.broken is not None and not modes.jobs
+        if job is not None:
+            assert modes.plans[key].hybrid == until_warm(plan_size(*job.args), job.trusted)
+        for b in batches:                # and the steps go on, planned here
+            train_step(model, b, eng)
+        assert not modes.jobs and eng.last_step.peak_resident_bytes <= budget
+
+
+def test_plan_in_background_is_checked():
+    with pytest.raises(TypeError, match="plan_in_background must be True"):
+        cs.Chameleon(None, plan_in_background="yes")
