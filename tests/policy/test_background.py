@@ -1,6 +1,7 @@
 """The planner process (``policy/background.py``), and plans made in it (``size_plans.py``)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -77,11 +78,22 @@ def test_a_ticket_dropped_before_its_answer_never_comes_back():
 
 
 # --------------------------------------------------------------------------- with the engine
-def _engine_run(lengths):
+@contextlib.contextmanager
+def _trained(lengths):
+    """An engine (planner process on) after a step of each length, its plans landed: yields
+    (engine, its block modes, a planned size, the model, its batches, the budget), size set."""
     model = tiny_llama(dim=64, n_layers=3, max_seq_len=256)
     batches = lm_batches(model, lengths, B=2)
     budget = int(min(natural_peak(model, b) for b in batches) * 0.3)
-    return model, batches, budget
+    with cs.Chameleon(budget, device="cpu", min_tensor_bytes=0, model=model,
+                      emulate_link="200MB/s") as eng:
+        modes = eng._policy.modes
+        for b in batches:
+            train_step(model, b, eng)
+        modes.collect(wait=True)
+        key = next(iter(modes.plans))
+        modes.input_bytes = modes.plans[key].input_bytes
+        yield eng, modes, key, model, batches, budget
 
 
 def test_plans_made_in_the_planner_process_hold_the_budget_and_every_bit():
@@ -108,16 +120,8 @@ def test_plans_made_in_the_planner_process_hold_the_budget_and_every_bit():
 
 
 def test_a_plan_is_handed_over_then_lands_as_made_here():
-    model, batches, budget = _engine_run([96, 160, 96, 160])
-    with cs.Chameleon(budget, device="cpu", min_tensor_bytes=0, model=model,
-                      emulate_link="200MB/s") as eng:
-        modes = eng._policy.modes
-        for b in batches:
-            train_step(model, b, eng)
-        modes.collect(wait=True)
-        key = next(iter(modes.plans))
+    with _trained([96, 160, 96, 160]) as (eng, modes, key, *_):
         before = modes.plans[key]
-        modes.input_bytes = before.input_bytes
         modes._make(key)                                    # handed over: not made here
         job = modes.jobs[key]
         assert modes.plans[key] is before and job.ticket is not None
@@ -134,15 +138,7 @@ def test_a_plan_is_handed_over_then_lands_as_made_here():
 
 
 def test_where_the_planner_process_dies_the_plan_is_made_here():
-    model, batches, budget = _engine_run([96, 160, 96])
-    with cs.Chameleon(budget, device="cpu", min_tensor_bytes=0, model=model,
-                      emulate_link="200MB/s") as eng:
-        modes = eng._policy.modes
-        for b in batches:
-            train_step(model, b, eng)
-        modes.collect(wait=True)
-        key = next(iter(modes.plans))
-        modes.input_bytes = modes.plans[key].input_bytes
+    with _trained([96, 160, 96]) as (eng, modes, key, model, batches, budget):
         modes.worker._proc.kill()
         modes.worker._proc.wait(5)
         modes._make(key)                 # handed over before the death is seen, or made here
