@@ -77,6 +77,27 @@ def test_a_ticket_dropped_before_its_answer_never_comes_back():
         w.close()
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_fork_of_the_owner_leaves_its_planner_process_alone():
+    # A data loader's worker forked after the planner started holds a copy of the worker; its
+    # exit runs the copy's finalizer, which must not end (or kill) its owner's process.
+    prof, blocks = _gpu_keep_view("h4096-unreached-16384")
+    w = Worker()
+    try:
+        assert w.result(w.submit("plan_size", *_args(prof, blocks, 0.5)))[1]
+        pid = os.fork()
+        if pid == 0:                            # the fork: what its exit would run, then out
+            try:
+                w._stop()
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        assert w._proc.poll() is None
+        assert w.result(w.submit("plan_size", *_args(prof, blocks, 0.25)))[1]
+    finally:
+        w.close()
+
+
 # --------------------------------------------------------------------------- with the engine
 @contextlib.contextmanager
 def _trained(lengths):
