@@ -94,9 +94,9 @@ class Chameleon:
             started at the first plan (no torch, no device; ended by ``close()``), while the
             next steps run: the plan applies from the first step that begins after it is made,
             and until then the size runs what it ran. True (default); False makes each plan on
-            the step's thread as the step ends, applied from the next step on (the same plans;
-            only when they apply differs). Where the process cannot run, plans are made on the
-            step's thread.
+            the step's thread as the step ends, applied from the next step on (the same search
+            on the same inputs; only where it runs, and so when a plan applies, differs). Where
+            the process cannot run, plans are made on the step's thread.
         trace_dir: a directory (created if missing) that receives every step's trace for the
             simulator, ``step-<n>.json`` (``chameleon_swap.sim.load(trace_dir)`` reads them
             back): its slot times, saved tensors and what it measured. Every step is then

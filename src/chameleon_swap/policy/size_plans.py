@@ -7,8 +7,8 @@ handed over at the step's end (``_make``) and lands at a later step's start, onc
 and the step's thread never waits for the search (on the project's CPU demo 40-145 ms a plan,
 12-14% of the engine's time). Without one (``plan_in_background=False``, or where the process
 cannot run) it is made at once, and used from the next step on. A size has at most one plan
-being made: what asks for another meanwhile is put off (``stale``) until it lands, except a
-thaw's (``_thaw``), whose newer figures replace it.
+being made: meanwhile its steps plan nothing, a replan asked of it is put off (``stale``) until
+it lands, and only a thaw (``_thaw``), whose figures are newer, replaces it.
 
 The time a plan takes (the search's own, in either process) is charged to the planning share
 as before (``may_replan``), so the two ways plan alike; only where the time is spent differs.
