@@ -45,6 +45,11 @@ def test_the_four_legs_run_side_by_side_and_say_who_won():
         # what its plan predicted (for reading a run afterwards).
         assert all(r[leg]["step_s"] + r[leg]["planning"] <= r[leg]["seconds"] for r in timed)
     assert any(r["chameleon model="]["predicted"] for r in c["steps"][1:])
+    # Mode plans made in the planner process: beside the seconds, a share of them too.
+    for leg in ("swap only", "chameleon model="):
+        assert c["legs"][leg]["background_planning_share"] == pytest.approx(
+            sum(r[leg]["beside"] for r in timed) / sum(r[leg]["seconds"] for r in timed))
+    assert all(r["swap only"]["beside"] == 0 for r in c["steps"])        # (no mode plans)
     assert "planning_share" not in c["legs"]["gradient checkpointing"]
     lines = choice.table(c)
     assert "last 2" in lines[1]

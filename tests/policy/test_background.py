@@ -136,8 +136,21 @@ def test_plans_made_in_the_planner_process_hold_the_budget_and_every_bit():
         s.plan_source in ("cache", "replanned") for s in history[6:]), history
     worker = seen[0]._policy.modes.worker
     assert worker._next >= 3                    # (every size's plan went to the process)
+    # The process's time on them is reported by the steps they land before, apart from the
+    # steps' own times, and charged to the planning share as well.
+    beside = [s.background_planning_seconds for s in history]
+    assert all(b >= 0 for b in beside) and sum(beside) > 0
+    assert sum(beside) <= seen[0]._policy.modes.planning_seconds
+    assert all(s.background_planning_seconds == 0 for s in _sync_history()), "on the thread"
     assert worker.broken == "the planner process was closed"           # with the engine
     assert worker._proc.wait(5) is not None
+
+
+def _sync_history():
+    model = tiny_llama(dim=64, n_layers=3, max_seq_len=256)
+    history, _, _ = compare(model, lm_batches(model, [96, 160, 96]), 0.3, model_kwarg=True,
+                            emulate_link="200MB/s", plan_in_background=False)
+    return history
 
 
 def test_a_plan_is_handed_over_then_lands_as_made_here():

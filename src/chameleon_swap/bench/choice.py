@@ -166,6 +166,7 @@ def run_choice(device: torch.device, steps: int,
                     row[leg].update(peak=s.peak_resident_bytes, block_modes=list(s.block_modes),
                                     plan_source=s.plan_source, stall=s.stall_seconds,
                                     moved=s.offloaded_bytes, planning=s.planning_seconds,
+                                    beside=s.background_planning_seconds,
                                     step_s=s.step_seconds, predicted=s.predicted_step_seconds)
                 opts[leg].step()
                 opts[leg].zero_grad(set_to_none=True)
@@ -233,6 +234,9 @@ def summarize(per_step: list, peaks: dict, budget: int, natural: int, link: Opti
         if "planning" in timed[0][leg]:
             # The engine's end of step (learning, planning) is in its leg's seconds: its share.
             legs[leg]["planning_share"] = sum(r[leg]["planning"] for r in timed) / sum(secs)
+            # Mode plans made in the planner process: beside the leg's seconds, on another core.
+            legs[leg]["background_planning_share"] = (sum(r[leg]["beside"] for r in timed)
+                                                      / sum(secs))
         legs[leg]["losses_max_diff"] = nan_max(abs(r[leg]["loss"] - r["none"]["loss"])
                                                for r in per_step)
     # Where the plain step differs from itself (CUDA), a leg can be no more exact than that
@@ -287,6 +291,11 @@ def table(choice: dict) -> list[str]:
     if shares:
         lines.append("  of which planning at step ends: " + ", ".join(shares)
                      + " of their time (steps after the first)")
+    beside = [f"{leg} {r['background_planning_share']:.0%}" for leg, r in choice["legs"].items()
+              if r.get("background_planning_share")]
+    if beside:
+        lines.append("  mode plans made beside the steps, in the planner process (another core): "
+                     + ", ".join(beside) + " of their time")
     modes = choice["legs"]["chameleon model="]["block_modes"]
     lines.append("  block modes (keep, selective, full) per step: "
                  + " ".join(str(tuple(m)) for m in modes))

@@ -84,6 +84,7 @@ class BlockModes(SizePlans):
         self.timed: dict = {}                           # key -> timed steps' compute (keep_views)
         self.warm = not FIRST_PLANS_FALL_BACK          # compute timed past the first step
         self.jobs: dict[int, Job] = {}                  # key -> its plan being made (size_plans)
+        self.landed_seconds = 0.0                       # ... the process's time, until reported
         self.begin_step(None)
 
     # ------------------------------------------------------------------ during the step

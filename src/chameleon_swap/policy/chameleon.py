@@ -314,10 +314,10 @@ class ChameleonPolicy:
                 predicted = self.modes.predicted_seconds()
                 pred = mode_plan.hybrid.predicted
                 predicted_stall = float(pred.stall_seconds) if pred is not None else None
-        self._report = {"plan_source": source,
+        self._report = {"plan_source": source, "plan_overrides": self.overrides,
                         "predicted_stall_seconds": predicted_stall,
                         "predicted_step_seconds": predicted,
-                        "plan_overrides": self.overrides}
+                        "background_planning_seconds": self.modes.landed()}
         if profile is not None and self.ex.budget is not None:
             self.checks.learn_moves(profile)    # before any plan of this step's end is made
         if profile is not None and profile.n_forward > 0 and self.ex.budget is not None:

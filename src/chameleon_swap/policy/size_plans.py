@@ -59,6 +59,8 @@ class SizePlans:
                 t0 = time.perf_counter()
                 hp = plan_size(*job.args)
                 seconds = time.perf_counter() - t0
+            else:
+                self.landed_seconds += seconds
             self._charge(seconds + job.seconds, job.free)
             self._land(key, job, hp)
             if job.after is not None:
@@ -87,6 +89,12 @@ class SizePlans:
             self._charge(time.perf_counter() - t0, free)
         if after is not None:
             self._replanned(key, *after)
+
+    def landed(self) -> float:
+        """The planner process's time on the plans landed since last asked (the step's report:
+        ``StepStats.background_planning_seconds``)."""
+        seconds, self.landed_seconds = self.landed_seconds, 0.0
+        return seconds
 
     def _charge(self, seconds: float, free: bool) -> None:
         self.planning_seconds += seconds

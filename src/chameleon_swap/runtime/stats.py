@@ -64,6 +64,10 @@ class StepStats:
     # plans (swap plans; mode plans with model=). Not in step_seconds or host_seconds (the
     # planner's model is of the step itself), but in the wall time around ``with eng.step():``.
     planning_seconds: float = 0.0
+    # The planner process's time on the mode plans that landed since the step before's report
+    # (``plan_in_background``; they land as a step begins): spent beside the steps, on another
+    # core, in none of their times; what planning on the step's thread would have added.
+    background_planning_seconds: float = 0.0
     profile_mode: str = "lightweight"  # "lightweight" | "detailed" (timed)
     signature: str = ""                # exact hash of this step's operator sequence
     plan_overrides: int = 0            # tensors a plan kept that the guard had to move
@@ -116,6 +120,8 @@ class StepStats:
             parts.append("memory tightened")
         if self.planning_seconds >= 1e-3:
             parts.append(f"planning {self.planning_seconds * 1e3:.1f} ms")
+        if self.background_planning_seconds >= 1e-3:
+            parts.append(f"planned beside {self.background_planning_seconds * 1e3:.1f} ms")
         parts.append(self.plan_source + (" (changed)" if self.sequence_changed else ""))
         return " | ".join(parts)
 
@@ -165,6 +171,7 @@ class StepTotals:
     host_seconds: float = 0.0
     profiler_seconds: float = 0.0
     planning_seconds: float = 0.0          # after the steps, outside their step_seconds
+    background_planning_seconds: float = 0.0   # in the planner process, beside the steps
     peak_resident_bytes: int = 0           # the most of any step
     host_wait_seconds: float = 0.0
     host_deferred_moves: int = 0
@@ -175,6 +182,7 @@ class StepTotals:
         for name in ("saved_bytes", "offloaded_bytes", "prefetched_bytes", "fetched_bytes",
                      "sync_fetches", "forced_offloads", "recomputed_bytes", "stall_seconds",
                      "host_seconds", "profiler_seconds", "planning_seconds",
+                     "background_planning_seconds",
                      "host_wait_seconds", "host_deferred_moves"):
             setattr(self, name, getattr(self, name) + getattr(st, name))
         if st.step_seconds is not None:      # else added when known (StepTimer.resolve)
