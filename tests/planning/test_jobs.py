@@ -10,7 +10,8 @@ from chameleon_swap.planning.jobs import plan_size, serve
 from chameleon_swap.planning.modes import plan_hybrid
 from chameleon_swap.planning.quiet import plan_quiet
 from chameleon_swap.planning.timeline import unmoved_peak
-from test_modes import _gpu_keep_view, keep_view
+from _traces import gpu_keep_view
+from test_modes import keep_view
 
 
 def _args(prof, blocks, frac, quiet=False):
@@ -44,7 +45,7 @@ def _served(*jobs) -> list:
 def test_serve_answers_each_job_with_what_the_call_returns(name):
     # The GPU's own traces (an H100, 16k tokens): the plan that comes back through the pipe
     # format is the one made in-process, field for field.
-    prof, blocks = _gpu_keep_view(name)
+    prof, blocks = gpu_keep_view(name)
     a, b = _args(prof, blocks, 0.25), _args(prof, blocks, 0.5, quiet=True)
     answers = _served((7, "plan_size", a), (8, "plan_size", b))
     assert [t for t, *_ in answers] == [7, 8]

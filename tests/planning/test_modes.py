@@ -9,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 from chameleon_swap.planning.modes import (Block, apply_modes, conversion_order,
                                            full_recompute_modes, plan_hybrid, working_set)
 from chameleon_swap.planning.timeline import Plan, Profile, Span, simulate, unmoved_peak
+from _traces import gpu_keep_view
 
 MB = 2**20
 
@@ -169,33 +170,10 @@ def test_never_above_the_best_uniform_mix_that_fits(n_blocks, per_block, bw, fra
         assert got.total_seconds <= best * (1 + 1e-9)
 
 
-def _gpu_keep_view(name: str, n_blocks: int = 8):
-    """The engine's own trace of an HF Llama 4096x8 step at 16k tokens on an H100 (tests/fixtures/
-    gpu-traces), as a keep view: its save order cut into ``n_blocks`` equal runs of spans between
-    the first and the last few (embedding, head), each run a block of its slots' compute."""
-    from pathlib import Path
-
-    from chameleon_swap.runtime.trace import load
-    tr = load(Path(__file__).resolve().parents[1] / "fixtures" / "gpu-traces" / name)
-    step = tr.steps[-1]
-    prof = step.profile(*tr.link)
-    n = prof.n_forward
-    lo, hi = 2, n - 4
-    per = (hi - lo) // n_blocks
-    blocks = []
-    for b in range(n_blocks):
-        first, end = lo + b * per, lo + (b + 1) * per
-        blocks.append(Block(first, end, float(sum(prof.compute[first:end])),
-                            prof.spans[first].nbytes,
-                            selective_bytes=sum(sp.nbytes for sp in prof.spans[first:end]) // 2,
-                            selective_seconds=0.25 * float(sum(prof.compute[first:end]))))
-    return prof, blocks
-
-
 @pytest.mark.parametrize("name", ["h4096-unreached-16384", "h4096-b10GiB-model-16384"])
 @pytest.mark.parametrize("frac", [0.25, 0.5, 0.75])
 def test_on_the_gpu_traces_never_above_the_best_uniform_mix(name, frac):
-    prof, blocks = _gpu_keep_view(name)
+    prof, blocks = gpu_keep_view(name)
     budget = int(unmoved_peak(prof) * frac)
     hp = plan_hybrid(prof, blocks, budget)
     best = _uniform_best(prof, blocks, budget)

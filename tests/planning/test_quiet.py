@@ -10,7 +10,8 @@ from chameleon_swap.planning.modes import apply_modes, conversion_order, plan_hy
 from chameleon_swap.planning.quiet import plan_quiet
 from chameleon_swap.planning.timeline import Plan, simulate, unmoved_peak
 
-from test_modes import MB, _gpu_keep_view, keep_view
+from _traces import gpu_keep_view
+from test_modes import MB, keep_view
 
 
 def _quiet_best(prof, blocks, budget):
@@ -82,7 +83,7 @@ def test_on_the_gpu_traces_it_recomputes_the_least_that_fits():
     # The engine's own H100 trace of HF Llama 4096x8 at 16k tokens: every block recomputed
     # still holds 28% of the natural peak (its inputs, the embedding and the head), so at 25%
     # no mix fits without copies and only the full search can plan it.
-    prof, blocks = _gpu_keep_view("h4096-unreached-16384")
+    prof, blocks = gpu_keep_view("h4096-unreached-16384")
     assert plan_quiet(prof, blocks, int(unmoved_peak(prof) * 0.25)) is None
     for frac in (0.3, 0.5, 0.75):
         budget = int(unmoved_peak(prof) * frac)

@@ -17,9 +17,8 @@ from chameleon_swap.policy.mix_runs import until_warm
 
 from _helpers import compare, natural_peak, train_step
 from _models import lm_batches, tiny_llama
+from _traces import gpu_keep_view
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "planning"))
-from test_modes import _gpu_keep_view  # noqa: E402  (the H100's traces as keep views)
 
 
 def _args(prof, blocks, frac):
@@ -29,7 +28,7 @@ def _args(prof, blocks, frac):
 def test_the_planner_process_makes_the_plans_this_process_would():
     # The H100's own traces, three budgets each, handed over at once: the process answers every
     # ticket with the plan made here, field for field (pure Python, no hash order in it).
-    jobs = [_args(*_gpu_keep_view(name), frac)
+    jobs = [_args(*gpu_keep_view(name), frac)
             for name in ("h4096-unreached-16384", "h4096-b10GiB-model-16384")
             for frac in (0.25, 0.5, 0.75)]
     w = Worker()
@@ -65,7 +64,7 @@ def test_a_worker_that_cannot_start_says_why_and_takes_no_job(monkeypatch):
 
 
 def test_a_ticket_dropped_before_its_answer_never_comes_back():
-    prof, blocks = _gpu_keep_view("h4096-unreached-16384")
+    prof, blocks = gpu_keep_view("h4096-unreached-16384")
     w = Worker()
     try:
         first = w.submit("plan_size", *_args(prof, blocks, 0.25))
@@ -81,7 +80,7 @@ def test_a_ticket_dropped_before_its_answer_never_comes_back():
 def test_a_fork_of_the_owner_leaves_its_planner_process_alone():
     # A data loader's worker forked after the planner started holds a copy of the worker; its
     # exit runs the copy's finalizer, which must not end (or kill) its owner's process.
-    prof, blocks = _gpu_keep_view("h4096-unreached-16384")
+    prof, blocks = gpu_keep_view("h4096-unreached-16384")
     w = Worker()
     try:
         assert w.result(w.submit("plan_size", *_args(prof, blocks, 0.5)))[1]
