@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from chameleon_swap import cli
-from chameleon_swap.bench import choice
+from chameleon_swap.bench import choice, records
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")   # see conftest.py
@@ -180,3 +180,49 @@ def test_the_h100_demo_legs_are_as_exact_as_its_plain_step():
     grown = copy.deepcopy(steps)
     grown[-1]["chameleon model="]["loss"] += 3 * ref
     assert choice.within_reference(grown, "chameleon model=", ref) is False
+
+
+def test_the_interval_of_a_median_is_the_sign_tests():
+    # Order statistics k and n+1-k, k the largest with P(Binomial(n, 1/2) < k) <= 2.5%.
+    assert records.median_interval([]) == (None, None)
+    assert records.median_interval([3.0, 1.0, 2.0, 5.0, 4.0]) == (3.0, None)   # 2/32 > 2.5%
+    assert records.median_interval([6, 1, 5, 2, 4, 3]) == (3.5, (1, 6))          # 2/64 <= 2.5%
+    assert records.median_interval(list(range(23, 0, -1))) == (12, (7, 17))
+    assert records.median_interval(list(range(1, 25))) == (12.5, (7, 18))
+    assert records.median_interval(list(range(1, 24)), confidence=0.5)[1] == (10, 14)
+
+
+def _timed(eng: list, gc: list) -> list:
+    """Rows with each leg's seconds: the engine's and checkpointing's as given, the rest 0.1."""
+    rows = []
+    for i, (e, g) in enumerate(zip(eng, gc)):
+        row = {leg: {"seconds": 0.1, "loss": 1.0, "peak": 1, "block_modes": [1, 0, 0]}
+               for leg in choice.LEGS}
+        row["chameleon model="]["seconds"], row["gradient checkpointing"]["seconds"] = e, g
+        rows.append(dict(row, step=i, length=8))
+    return rows
+
+
+def test_the_verdict_compares_step_for_step_and_says_when_noise_hides_the_difference():
+    peaks = {"none": {8: 4}, "gradient checkpointing": {8: 1}}
+    args = (peaks, 2, 4, None, True, choice.SIZES["tiny"], torch.device("cpu"))
+    # The machine's speed swings 3x between steps and the two legs swing together: summed
+    # times say little, paired ratios are all 0.9: the engine is faster beyond the noise.
+    gc = [0.1, 0.3, 0.1, 0.2, 0.3, 0.1, 0.25, 0.1, 0.3]
+    faster = choice.summarize(_timed([0.9 * g for g in gc], gc), *args)
+    p = faster["paired"]
+    assert (p["leg"], p["against"], p["steps"]) == ("chameleon model=", "gradient checkpointing", 8)
+    assert p["median_ratio"] == pytest.approx(0.9) and p["interval"] == pytest.approx([0.9, 0.9])
+    assert "took 0.90x gradient checkpointing's time (median of 8 steps" in faster["verdict"]
+    assert "beyond the step-to-step noise" in faster["verdict"]
+    # Ratios that straddle 1 (as a loaded machine gives): the run cannot tell them apart.
+    # (The first step sets up and is left out, as from the summed times.)
+    ratios = [1.2, 0.8, 1.1, 0.9, 1.3, 0.85, 1.05, 0.95, 1.0]
+    mixed = choice.summarize(_timed([r * g for r, g in zip(ratios, gc)], gc), *args)
+    assert mixed["paired"]["median_ratio"] == pytest.approx(0.975)
+    lo, hi = mixed["paired"]["interval"]
+    assert lo < 1 < hi and "the run cannot tell them apart" in mixed["verdict"]
+    assert mixed["verdict"] == choice.table(mixed)[-1]
+    # Too few steps for an interval: said so, the median still given.
+    short = choice.summarize(_timed([0.09, 0.18, 0.27], [0.1, 0.2, 0.3]), *args)
+    assert short["paired"]["interval"] is None and "too few steps" in short["verdict"]

@@ -17,6 +17,10 @@ to compute: there a 16k-token Llama 4096x8 step saves 30.4 GiB in a 0.172 s forw
 pinned link moves 54 GB/s (measured by the project on one H100), so the link carries about
 ``H100_LINK_SHARE`` of what the forward saves per second. Without it a CPU copy is a memcpy the
 step hides, and swapping would look free. On CUDA the link is the real one.
+
+The verdict: which leg took less time summed over the steps, and step for step the engine's time
+over checkpointing's with an interval for its median (``paired``), which says whether the run
+could tell the two apart at all on a machine whose speed swings.
 """
 from __future__ import annotations
 
@@ -24,7 +28,6 @@ import copy
 import gc
 import math
 import statistics
-import textwrap
 import time
 from typing import Callable, Optional
 
@@ -32,7 +35,7 @@ import torch
 
 from ..config import format_bytes
 from .harness import _sync
-from .records import nan_max
+from .records import median_interval, nan_max
 
 LEGS = ("none", "gradient checkpointing", "swap only", "chameleon model=")
 AGAIN = "none, again"           # CUDA: the plain step a second time, its own reproducibility
@@ -40,6 +43,7 @@ FRACTION = 0.25
 REFERENCE_SLACK = 2.0           # a leg's loss differences against the plain step's own (CUDA)
 # 54 GB/s against 30.4 GiB saved in 0.172 s of forward (an H100, HF Llama 4096x8 at 16k tokens).
 H100_LINK_SHARE = 54e9 / (30.4 * 2**30 / 0.172)
+CONFIDENCE = 0.95               # of the interval around the paired median (see ``paired``)
 SIZES = {
     "tiny": dict(hidden=64, layers=4, heads=4, kv_heads=2, ffn=128, vocab=256, batch=2,
                  lengths=(32, 48, 64)),
@@ -210,6 +214,30 @@ def within_reference(per_step: list, leg: str, reference_max_diff: Optional[floa
     return not (first.get("reference_diff") == 0 and diffs[0] != 0)
 
 
+def paired(per_step: list, leg: str, against: str) -> dict:
+    """``leg``'s step time over ``against``'s, step by step: the legs run one after the other on
+    the same batch, so a machine whose speed drifts (this project's shared CPU: one length's
+    checkpointed step took 51-119 ms within one demo) slows both alike, and the ratio keeps what
+    the legs themselves differ by. Their median and its interval (``median_interval``): where
+    the interval holds 1, the run could not tell the two apart."""
+    ratios = [r[leg]["seconds"] / r[against]["seconds"] for r in per_step]
+    median, interval = median_interval(ratios, CONFIDENCE)
+    return {"leg": leg, "against": against, "steps": len(ratios), "median_ratio": median,
+            "interval": None if interval is None else list(interval),
+            "confidence": CONFIDENCE}
+
+
+def _paired_words(p: dict) -> str:
+    lo, hi = p["interval"] or (None, None)
+    where = ("too few steps for an interval" if lo is None else
+             f"{p['confidence']:.0%} interval {lo:.2f}-{hi:.2f}: " + (
+                 "within the step-to-step noise, the run cannot tell them apart" if lo <= 1 <= hi
+                 else "beyond the step-to-step noise"))
+    return (f"step for step (the same batch, back to back) {p['leg']} took "
+            f"{p['median_ratio']:.2f}x {p['against']}'s time (median of {p['steps']} steps; "
+            f"{where})")
+
+
 def summarize(per_step: list, peaks: dict, budget: int, natural: int, link: Optional[float],
               losses_identical: bool, size: dict, device: torch.device) -> dict:
     timed = per_step[1:] if len(per_step) > 2 else per_step      # the first step sets up
@@ -257,6 +285,8 @@ def summarize(per_step: list, peaks: dict, budget: int, natural: int, link: Opti
                f"{compared('steady_ratio_vs_none').replace('chameleon model= is', 'it is')}"
                f"; within a budget of {format_bytes(budget)} ({FRACTION:.0%} of the natural "
                f"peak)")
+    pair = paired(timed, "chameleon model=", "gradient checkpointing")
+    verdict += "; " + _paired_words(pair)
     return {"model": f"HF Llama hidden {size['hidden']} x {size['layers']} layers, batch "
                      f"{size['batch']}, lengths {sorted(set(size['lengths']))}",
             "device": str(device), "budget_bytes": budget, "natural_peak_bytes": natural,
@@ -266,7 +296,7 @@ def summarize(per_step: list, peaks: dict, budget: int, natural: int, link: Opti
             reference_max_diff == 0, "reference_max_diff": reference_max_diff,
             "losses_exact": bool(losses_identical) or bool(reference_max_diff) and all(
                 r["losses_within_reference"] for r in legs.values()),
-            "legs": legs, "steps": per_step,
+            "legs": legs, "steps": per_step, "paired": pair,
             "verdict": verdict, "winner": max(LEGS[1:], key=lambda k: (
                 legs[k]["fits_budget"], -legs[k]["ratio_vs_none"]))}
 
@@ -312,51 +342,3 @@ def table(choice: dict) -> list[str]:
                          for leg, r in choice["legs"].items() if leg != "none"))
     lines.append(choice["verdict"])
     return lines
-
-
-def plot_choice(choice: dict, path) -> Optional[object]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    legs = list(choice["legs"])
-    colors = ["#888888", "#c66", "#47a", "#2a6"]
-    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(13, 3.6),
-                                     gridspec_kw={"width_ratios": [1, 1, 1.4]})
-    a1.bar([i - 0.2 for i in range(4)], [choice["legs"][k]["ratio_vs_none"] for k in legs],
-           width=0.4, color=colors, label="all steps")
-    a1.bar([i + 0.2 for i in range(4)],
-           [choice["legs"][k].get("steady_ratio_vs_none", float("nan")) for k in legs],
-           width=0.4, color=colors, alpha=0.45, hatch="//", label="last half")
-    share = [choice["legs"][k].get("planning_share") for k in legs]
-    if any(v is not None for v in share):     # the part of the engines' steps spent planning
-        a1.bar([i - 0.2 for i in range(4)],
-               [(v or 0.0) * choice["legs"][k]["ratio_vs_none"] for k, v in zip(legs, share)],
-               width=0.4, color="none", edgecolor="k", hatch="..", label="of which planning")
-    a1.axhline(1.0, color="k", lw=0.8)
-    a1.set_ylabel("step time / none")
-    a1.legend(fontsize=7)
-    a2.bar(range(4), [choice["legs"][k]["peak_saved_bytes"] / 2**20 for k in legs], color=colors)
-    a2.axhline(choice["budget_bytes"] / 2**20, color="#d62728", ls="--", label="budget")
-    a2.set_ylabel("saved-activation peak (MiB)")
-    a2.legend(fontsize=7)
-    for ax in (a1, a2):
-        ax.set_xticks(range(4))
-        ax.set_xticklabels([k.replace(" ", "\n", 1) for k in legs], fontsize=7)
-    modes = choice["legs"]["chameleon model="]["block_modes"]
-    x = range(len(modes))
-    bottom = [0] * len(modes)
-    for j, (name, col) in enumerate((("keep", "#2a6"), ("selective", "#e9a"), ("full", "#c66"))):
-        vals = [m[j] for m in modes]
-        a3.bar(x, vals, bottom=bottom, color=col, label=name)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    a3.set_xlabel("step")
-    a3.set_ylabel("blocks (chameleon model=)")
-    a3.legend(fontsize=7)
-    fig.suptitle(textwrap.fill(choice["verdict"], 150), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path

@@ -30,7 +30,7 @@ from .commands import CHOICE_STEPS
 from . import choice as choice_leg
 from .env import environment, progress
 from .harness import SweepConfig, natural_peak, run_sweep, steps_per_workload
-from .report import SOURCES, markdown
+from .report import SOURCES, markdown, plot_choice
 
 WORKLOADS = ("llama-varlen", "moe")
 FRACTION = 0.30
@@ -68,7 +68,7 @@ def run_demo(out_dir: Path, *, steps: int = DEFAULT_STEPS, size: str = "small",
                       "keep / swap / recompute vs gradient checkpointing") as advance:
             summary["choice"] = choice_leg.run_choice(dev, choice_steps, advance,
                                                       tiny=size == "tiny")
-        choice_leg.plot_choice(summary["choice"], out_dir / "choice.png")
+        plot_choice(summary["choice"], out_dir / "choice.png")
     else:
         summary["choice"] = {"skipped": why}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")

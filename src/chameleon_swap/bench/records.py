@@ -49,6 +49,27 @@ def nan_max(xs) -> float:
     return math.nan if any(math.isnan(x) for x in xs) else max(xs)
 
 
+def median_interval(values: list, confidence: float = 0.95):
+    """The median of ``values`` and a distribution-free interval for it: order statistics
+    ``k`` and ``n + 1 - k`` (1-based), with ``k`` the largest for which at most
+    ``(1 - confidence) / 2`` of Binomial(n, 1/2) lies below ``k`` (the sign test's interval; 23
+    values give the 7th and 17th, 96.5%). ``(median, None)`` where too few values give one
+    (fewer than 6 at 95%)."""
+    xs = sorted(values)
+    n = len(xs)
+    if n == 0:
+        return None, None
+    tail, k = 0.0, 0
+    while True:
+        tail += math.comb(n, k) / 2 ** n       # P(X <= k), X ~ Binomial(n, 1/2)
+        if tail > (1 - confidence) / 2:
+            break
+        k += 1
+    if k == 0:
+        return statistics.median(xs), None
+    return statistics.median(xs), (xs[k - 1], xs[n - k])
+
+
 def _count_modes(stats: list) -> Optional[dict]:
     modes = [tuple(s["block_modes"]) for s in stats if s.get("block_modes")]
     if not modes:

@@ -8,9 +8,12 @@ Figures (one set per workload, written only when matplotlib is installed):
   horizontal lines, drawn solid where they fit the budget's memory and dotted where they do not;
 * ``steps-<workload>.png``: a strip per engine run: which plan served each step, and where the
   operator sequence changed.
+
+And the demo's comparison leg (``plot_choice``, ``choice.png``).
 """
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Optional
 
@@ -211,6 +214,66 @@ def _strip_figure(plt, workload, records, runs, info, out_dir) -> Optional[Path]
               bbox_to_anchor=(0.5, -0.35 if len(rows) < 3 else -0.15))
     ax.set_title(f"{workload}: what served each step")
     return _save(plt, fig, out_dir / f"steps-{_slug(workload)}.png")
+
+
+def plot_choice(choice: dict, path) -> Optional[object]:
+    """The demo's comparison leg (``choice.run_choice``'s summary) as one figure: step time and
+    saved peak per leg, and per step the engine's block modes with its step time over
+    checkpointing's. Returns the path (None without matplotlib)."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    legs = list(choice["legs"])
+    colors = ["#888888", "#c66", "#47a", "#2a6"]
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(13, 3.6),
+                                     gridspec_kw={"width_ratios": [1, 1, 1.4]})
+    a1.bar([i - 0.2 for i in range(4)], [choice["legs"][k]["ratio_vs_none"] for k in legs],
+           width=0.4, color=colors, label="all steps")
+    a1.bar([i + 0.2 for i in range(4)],
+           [choice["legs"][k].get("steady_ratio_vs_none", float("nan")) for k in legs],
+           width=0.4, color=colors, alpha=0.45, hatch="//", label="last half")
+    share = [choice["legs"][k].get("planning_share") for k in legs]
+    if any(v is not None for v in share):     # the part of the engines' steps spent planning
+        a1.bar([i - 0.2 for i in range(4)],
+               [(v or 0.0) * choice["legs"][k]["ratio_vs_none"] for k, v in zip(legs, share)],
+               width=0.4, color="none", edgecolor="k", hatch="..", label="of which planning")
+    a1.axhline(1.0, color="k", lw=0.8)
+    a1.set_ylabel("step time / none")
+    a1.legend(fontsize=7)
+    a2.bar(range(4), [choice["legs"][k]["peak_saved_bytes"] / 2**20 for k in legs], color=colors)
+    a2.axhline(choice["budget_bytes"] / 2**20, color="#d62728", ls="--", label="budget")
+    a2.set_ylabel("saved-activation peak (MiB)")
+    a2.legend(fontsize=7)
+    for ax in (a1, a2):
+        ax.set_xticks(range(4))
+        ax.set_xticklabels([k.replace(" ", "\n", 1) for k in legs], fontsize=7)
+    modes = choice["legs"]["chameleon model="]["block_modes"]
+    x = range(len(modes))
+    bottom = [0] * len(modes)
+    for j, (name, col) in enumerate((("keep", "#2a6"), ("selective", "#e9a"), ("full", "#c66"))):
+        vals = [m[j] for m in modes]
+        a3.bar(x, vals, bottom=bottom, color=col, label=name, alpha=0.6)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    a3.set_xlabel("step")
+    a3.set_ylabel("blocks (chameleon model=)")
+    a3.legend(fontsize=7, loc="lower left")
+    pair = choice.get("paired")
+    if pair:                    # the engine's step over checkpointing's on the same batch
+        r = [row[pair["leg"]]["seconds"] / row[pair["against"]]["seconds"]
+             for row in choice["steps"]]
+        a4 = a3.twinx()
+        a4.plot(x, r, "k.-", lw=0.8, label="chameleon / checkpointing, this step")
+        a4.axhline(1.0, color="k", ls=":", lw=0.8)
+        if pair["interval"]:
+            a4.axhspan(*pair["interval"], color="k", alpha=0.12,
+                       label=f"{pair['confidence']:.0%} interval of the median")
+        a4.set_ylabel("step time ratio")
+        a4.legend(fontsize=7, loc="upper right")
+    fig.suptitle(textwrap.fill(choice["verdict"], 170), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def _save(plt, fig, path: Path) -> Path:
