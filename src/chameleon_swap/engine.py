@@ -294,7 +294,7 @@ class Chameleon:
         if self.config.plan_in_background:
             from .policy.background import Worker
             policy.modes.worker = Worker()          # (its process starts with the first plan)
-        runner.install()
+        runner.install(probe=False)           # its probe runs in module_hooks._pre
         return runner
 
     # ------------------------------------------------------------------ lifecycle

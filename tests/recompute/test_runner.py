@@ -238,6 +238,31 @@ def test_a_block_with_the_users_checkpoint_is_found_and_left_alone(first):
     assert [c.mode for c in calls[1]] == ["full", "keep", "full"]
 
 
+@pytest.mark.parametrize("first", ["keep", "full"])
+def test_the_engine_finds_the_users_checkpoint_through_its_own_module_hook(first):
+    # With model= the runner registers no probe hook of its own (install(probe=False)): the
+    # engine's module pre-hook calls runner.probe. Same finding, same bits.
+    import chameleon_swap as cs
+    model, ref = CkptModel(), CkptModel()
+    batches = [randn(2, T, 16) for T in (6, 9, 7)]
+    with cs.Chameleon(None, model=model, blocks="layers") as eng:
+        runner = eng._runner
+        assert runner._probe_handle is None
+        asked = []
+        runner.mode_fn = lambda b: asked.append(b) or (first if len(asked) <= 3 else "full")
+        for x in batches:
+            with eng.step():
+                loss = model(x)
+                loss.backward()
+            ref_loss = ref(x)
+            ref_loss.backward()
+            assert torch.equal(loss, ref_loss)
+        assert runner.eligible == [True, False, True]
+        assert asked[3:] == [0, 2, 0, 2]                       # block 1 never asked again
+        assert eng.last_step.block_modes == (1, 0, 2)          # block 1 runs keep
+    assert_bitwise(ref_loss, grads(ref), loss, grads(model))
+
+
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_a_users_reentrant_checkpoint_is_not_seen_and_nests_correctly(mode):
     calls, _, runner = run_both(CkptModel(reentrant=True), _tmodel_batches((6, 9)), const(mode),

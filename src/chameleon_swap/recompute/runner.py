@@ -206,15 +206,18 @@ class BlockRunner:
             for i in range(len(self.blocks))]
 
     # ------------------------------------------------------------------ install / remove
-    def install(self) -> None:
-        """Wrap each block's forward (an instance attribute over the class's); idempotent."""
+    def install(self, probe: bool = True) -> None:
+        """Wrap each block's forward (an instance attribute over the class's); idempotent.
+        ``probe=False``: no global module pre-hook of the runner's own; the caller's calls
+        ``probe(module)`` before every module call instead (the engine's does: every global hook
+        sends every module call in the process through torch's slower call path)."""
         for i, b in enumerate(self.blocks):
             if i not in self._saved:
                 prev = b.__dict__.get("forward", _MISSING)
                 wrapper = _wrap(self, i, b.forward)
                 b.__dict__["forward"] = wrapper
                 self._saved[i] = (wrapper, prev)
-        if self._probe_handle is None and _top_hooks is not None:
+        if probe and self._probe_handle is None and _top_hooks is not None:
             ref = weakref.ref(self)
             self._probe_handle = nn.modules.module.register_module_forward_pre_hook(
                 lambda module, args: _probe(ref, module))
@@ -233,6 +236,13 @@ class BlockRunner:
         if self._probe_handle is not None:
             self._probe_handle.remove()
             self._probe_handle = None
+
+    def probe(self, module: nn.Module) -> None:
+        """Before a module call: inside a block's call, a module that starts under other
+        saved-tensor hooks than the block did (the user's own checkpoint) makes the block
+        ineligible from then on. Cheap where no block call is running."""
+        if self._probe is not None and not self._recomputes:
+            _seen(self, module)
 
     def __enter__(self) -> "BlockRunner":
         self.install()
@@ -454,6 +464,10 @@ def _probe(ref, module) -> None:
     r = ref()
     if r is None or r._probe is None or r._recomputes:
         return
+    _seen(r, module)
+
+
+def _seen(r: BlockRunner, module) -> None:
     i, top = r._probe
     now = _top_hooks(False)
     if not (now is top or (now is not None and top is not None

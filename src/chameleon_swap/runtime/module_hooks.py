@@ -2,7 +2,9 @@
 
 Before a module runs: its buffers are protected (buffers are neither parameters nor leaves that
 require grad, and only the module that holds them knows them), the profiler sees a module event,
-and a ``device_memory_limit`` learns how far the forward has come (and may lower the budget).
+a ``device_memory_limit`` learns how far the forward has come (and may lower the budget), and
+with ``model=`` the recompute runner's probe looks for the user's own checkpoint inside a block
+(its own global hook would be a third on every module call).
 After it runs: the profiler's module event ends and, when a budget can move things, a hook on the
 gradient of the module's output tells the executor that backward is about to reach the tensors
 this module saved (the moment to start copying them back).
@@ -63,7 +65,14 @@ def _recomputing(eng) -> bool:
 
 
 def _pre(eng, module: torch.nn.Module, args) -> None:
-    if not eng._in_step or is_compiling() or _recomputing(eng):
+    if not eng._in_step:
+        return
+    runner = eng._runner
+    if runner is not None:
+        if runner._recomputes:
+            return
+        runner.probe(module)        # the runner's probe rides on this hook (``install``)
+    if is_compiling():
         return
     ex = eng._ex
     ex.protect_buffers(module)
