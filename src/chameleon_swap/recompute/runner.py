@@ -183,6 +183,9 @@ class BlockRunner:
         self._active = self._detailed = False
         self._step = 0
         self._depth = 0
+        # > 0 while a checkpointed block's forward runs: what it saves goes to checkpoint, never
+        # through the engine's hooks, so its modules' calls tell the engine nothing.
+        self.quiet = 0
         self._calls: list[BlockCall] = []
         self._live: list[_Live] = []
         self._open_ws: list[_Live] = []
@@ -259,7 +262,7 @@ class BlockRunner:
         self._active, self._detailed = True, bool(detailed)
         self._cache_was = _cache_off(self.model)
         # No block runs or recomputes between steps: counts an interrupt left unbalanced go.
-        self._depth = self._recomputes = 0
+        self._depth = self._recomputes = self.quiet = 0
         self._refresh_eligible()     # the user may have turned gradient checkpointing on or off
         self._calls, self._timed = [], []
 
@@ -339,7 +342,13 @@ class BlockRunner:
 
         def run(*tensors):
             a, k = rebuild(tensors)
-            return orig(*a, **k) if self._recomputes else self._probed(i, orig, a, k)
+            if self._recomputes:
+                return orig(*a, **k)
+            self.quiet += 1
+            try:
+                return self._probed(i, orig, a, k)
+            finally:
+                self.quiet -= 1
 
         if call.mode == "selective":
             forward_ctx, recompute_ctx = selective.selective_contexts(
