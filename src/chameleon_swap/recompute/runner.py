@@ -157,8 +157,8 @@ class BlockRunner:
         names = {id(m): n for n, m in model.named_modules()}
         # Modules on the path from the model to each block: a gradient_checkpointing flag there
         # (older transformers set it on the decoder, not on its layers) checkpoints the block too.
-        self._ancestors = [[model.get_submodule(".".join(names[id(b)].split(".")[:k]))
-                            for k in range(names[id(b)].count(".") + 1)] for b in self.blocks]
+        ancestors = [[model.get_submodule(".".join(names[id(b)].split(".")[:k]))
+                      for k in range(names[id(b)].count(".") + 1)] for b in self.blocks]
         self._user_ckpt = [False] * len(self.blocks)   # seen checkpointing inside, at run time
         # Per block: whether selective checkpointing can run it (selective.MutationWatch, on
         # its first call run kept; None: not known yet). A block asked to run selective where
@@ -171,7 +171,7 @@ class BlockRunner:
         # 0.2 ms a step on the demo's 8-block Llama; an inner module that gains the attribute
         # later is still caught at run time by the probe if its checkpoint is non-reentrant, and a
         # reentrant one nested in ours stays correct (see the module's docstring).
-        self._flags = [[*self._ancestors[i], b] + [m for m in b.modules() if m is not b
+        self._flags = [[*ancestors[i], b] + [m for m in b.modules() if m is not b
                                                    and hasattr(m, "gradient_checkpointing")]
                        for i, b in enumerate(self.blocks)]
         self.eligible: list[bool] = []
@@ -244,8 +244,14 @@ class BlockRunner:
         """Before a module call: inside a block's call, a module that starts under other
         saved-tensor hooks than the block did (the user's own checkpoint) makes the block
         ineligible from then on. Cheap where no block call is running."""
-        if self._probe is not None and not self._recomputes:
-            _seen(self, module)
+        if self._probe is None or self._recomputes:
+            return
+        i, top = self._probe
+        now = _top_hooks(False)
+        if not (now is top or (now is not None and top is not None
+                               and now[0] is top[0] and now[1] is top[1])):
+            self._user_ckpt[i] = True
+            self.eligible[i] = False
 
     def __enter__(self) -> "BlockRunner":
         self.install()
@@ -471,18 +477,8 @@ def _wrap(runner: BlockRunner, i: int, orig):
 
 def _probe(ref, module) -> None:
     r = ref()
-    if r is None or r._probe is None or r._recomputes:
-        return
-    _seen(r, module)
-
-
-def _seen(r: BlockRunner, module) -> None:
-    i, top = r._probe
-    now = _top_hooks(False)
-    if not (now is top or (now is not None and top is not None
-                           and now[0] is top[0] and now[1] is top[1])):
-        r._user_ckpt[i] = True
-        r.eligible[i] = False
+    if r is not None:
+        r.probe(module)
 
 
 def _input_grad_ready(ref, live: _Live, grad) -> None:
