@@ -282,9 +282,14 @@ def test_gradient_accumulation_and_autocast_in_one_step():
 def test_each_size_gets_its_own_plan_and_recurrences_come_from_the_cache():
     model = llama()
     batches = lm_batches(model, [24, 24, 40, 40, 24, 40])
-    history, _, _ = compare(model, batches, 0.3, model_kwarg=True, link_bandwidth=SLOW)
-    assert history[-1].plan_source == "cache"
-    assert history[-2].plan_source == "cache"
+    # Each step's plans land before the next (the planner process answers when it can: on a
+    # loaded 2-core machine the size-40 plan once came after its revisit, which then ran on the
+    # nearest size's plan and read "planned", as it should; tests/policy/test_background.py
+    # covers plans landing late).
+    history, _, _ = compare(model, batches, 0.3, model_kwarg=True, link_bandwidth=SLOW,
+                            between=lambda eng: eng._policy.modes.collect(wait=True))
+    assert [s.plan_source for s in history] == ["guard", "cache", "planned", "cache", "cache",
+                                                "cache"]
 
 
 def test_plans_are_made_per_size():

@@ -302,22 +302,22 @@ class ChameleonPolicy:
             predicted_stall = applied.predicted_stall_seconds
         mode_plan = self.modes.plan if self.modes.key is not None else None
         if mode_plan is not None:
-            # With model= the step ran a mode plan: its source is the step's. Its prediction is
-            # too, unless a swap plan made from a step run in these very modes stood for this
-            # one (it models the copies this step made; the mode plan's own swap set is the
-            # search's, made from the keep view): measured on a 4-block Llama at 25% and 50 MB/s,
-            # such a swap plan predicted 110 ms for steps of 117-141 ms, the mode plan 74 ms.
-            source = self.modes.source() or source
-            if not (applied is not None and applied.predicted_step_seconds
-                    and applied.modes and self._modes_agree(applied) and profile is not None
-                    and self._fits(profile)):
+            # With model= the step ran a mode plan: its source and prediction are the step's,
+            # unless a swap plan made from a step in these very modes stood for this one (it
+            # models this step's copies; the mode plan's swap set is the search's, from the keep
+            # view: on a 4-block Llama at 25% and 50 MB/s such a swap plan predicted 110 ms for
+            # steps of 117-141 ms, the mode plan 74 ms); its source only where it was replanned.
+            swap_stands = (applied is not None and applied.predicted_step_seconds and applied.modes
+                           and self._modes_agree(applied) and self._fits(profile))
+            mode_source = self.modes.source()
+            source = source if swap_stands and source == "replanned" else mode_source or source
+            if not swap_stands:
                 predicted = self.modes.predicted_seconds()
                 pred = mode_plan.hybrid.predicted
                 predicted_stall = float(pred.stall_seconds) if pred is not None else None
         self._report = {"plan_source": source, "plan_overrides": self.overrides,
-                        "predicted_stall_seconds": predicted_stall,
-                        "predicted_step_seconds": predicted,
-                        "background_planning_seconds": self.modes.landed()}
+                        "predicted_stall_seconds": predicted_stall, "predicted_step_seconds":
+                        predicted, "background_planning_seconds": self.modes.landed()}
         if profile is not None and self.ex.budget is not None:
             self.checks.learn_moves(profile)    # before any plan of this step's end is made
         if profile is not None and profile.n_forward > 0 and self.ex.budget is not None:
@@ -360,7 +360,7 @@ class ChameleonPolicy:
 
     def _fits(self, profile) -> bool:
         """The applied plan stood for (nearly) all of this step's saved bytes."""
-        if self._applied is None:
+        if self._applied is None or profile is None:
             return False
         matched = sum(profile.nbytes[i] for i in self._span_of if i < len(profile.nbytes))
         return matched >= FIT_COVERAGE * sum(profile.nbytes)

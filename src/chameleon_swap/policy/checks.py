@@ -205,7 +205,8 @@ def check_step(policy, profile, applied, mode_plan, predicted) -> None:
     compute, missed bytes) from this step and plan the key again."""
     if predicted is None or pinned(profile):
         return
-    key = ("modes", policy.modes.key) if mode_plan is not None else ("swap", applied.signature)
+    swap_predicted = (applied is not None and predicted == applied.predicted_step_seconds
+                      and profile.signature == applied.signature and profile.n_forward > 0)
     if mode_plan is not None and mode_plan.views_version != policy.modes.views.version:
         # Planned from keep views that changed since (a view learnt, corrected or thawed): the
         # size is planned again from the new ones, and a compute factor measured against the
@@ -213,8 +214,15 @@ def check_step(policy, profile, applied, mode_plan, predicted) -> None:
         # size whose first plans came from the slow first step missed twice, the warm view
         # planned it right, and the factor of 0.25 on top made it predict 0.11 s for steps of
         # 0.44 s.
-        policy.checks.forget(key)
-        return
+        policy.checks.forget(("modes", policy.modes.key))
+        if not swap_predicted:
+            return
+        # The prediction was a swap plan's, made from a step in these modes: it is checked on
+        # its own until the new mode plan lands. Where the planner process was slow to answer
+        # (a loaded 2-core machine), a swap plan that read a third of its step was otherwise
+        # left standing for the 11 steps the mode plan took to land.
+        mode_plan = None
+    key = ("modes", policy.modes.key) if mode_plan is not None else ("swap", applied.signature)
     measured = profile.step_seconds
     stall = float(sum(profile.waits)) if profile.waits else 0.0
     f = 1.0 if mode_plan is None else _step_factor(policy, mode_plan, measured, stall)
@@ -242,8 +250,7 @@ def check_step(policy, profile, applied, mode_plan, predicted) -> None:
             # The link is every size's: the other sizes' plans were made for the old one;
             # each is made again at the end of its size's next step (one plan per step).
             policy.modes.stale.update(k for k in policy.modes.plans if k != key)
-        if (applied is not None and predicted == applied.predicted_step_seconds
-                and profile.signature == applied.signature and profile.n_forward > 0):
+        if swap_predicted:
             # The prediction that missed was the swap plan's (made from a step in these modes):
             # it is made again from this one too, or it would keep missing, and every second
             # step would plan the modes again (measured: a 4-block Llama re-planned its modes
