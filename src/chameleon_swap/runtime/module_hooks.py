@@ -69,10 +69,8 @@ def _pre(eng, module: torch.nn.Module, args) -> None:
         return
     runner = eng._runner
     if runner is not None:
-        if runner._recomputes:
-            return
         runner.probe(module)        # the runner's probe rides on this hook (``install``)
-        if _inside_checkpoint(eng, runner):
+        if runner._recomputes or _inside_checkpoint(eng, runner):
             return
     if is_compiling():
         return
