@@ -781,6 +781,7 @@ def test_the_first_plans_fall_back_and_are_made_again_on_the_emulated_link(monke
     assert ranked[-1] == sum(not x for x in stand_in[w + 1:]) > 0, (stand_in, ranked, runs)
 
 
+@pytest.mark.usefixtures("plans_land_by_the_next_step")
 def test_a_first_step_timed_far_too_slow_steers_no_plan_after_the_next_timed_one(monkeypatch):
     # The real clock, on the emulated link. On an H100 the engine's first step pinned host
     # memory while it ran and its device-timed slots read 11-16 s for a 0.3 s step; plans made
@@ -857,6 +858,7 @@ def test_a_step_slowed_by_pinning_steers_no_plan(monkeypatch):
     assert 2 / 3 < statistics.median(off) < 1.5, [round(r, 2) for r in off]
 
 
+@pytest.mark.usefixtures("plans_land_by_the_next_step")
 def test_every_size_plans_from_a_view_of_its_own_once_a_timed_step_confirmed_it():
     # The real clock, on the emulated link. A size first planned from another size's view
     # (scaled) runs stand-in plans that move nothing until it has a view of its own. A timed

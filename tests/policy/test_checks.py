@@ -206,6 +206,7 @@ def test_a_model_that_misses_is_corrected_and_the_step_says_replanned(monkeypatc
         assert 2e7 < d2h < 6e7 and 2e7 < h2d < 6e7          # timed: about 40 MB/s
 
 
+@pytest.mark.usefixtures("plans_land_by_the_next_step")
 def test_a_swap_plan_that_misses_under_a_mode_plan_is_made_again_on_the_emulated_link():
     # With model=, the prediction a step reports is the swap plan's made from a step in its
     # modes; a miss re-plans the modes, and (before) left that swap plan as it was: it went on
@@ -263,6 +264,7 @@ def test_a_swap_plan_that_misses_while_its_modes_are_being_planned_again_is_made
     assert sorted(off[-3:])[1] < 2, off
 
 
+@pytest.mark.usefixtures("plans_land_by_the_next_step")
 def test_the_10mb_link_case_recomputes():
     # An HF Llama (hidden 128, 8 layers, batch 2 x 128) at 50% of its peak, planned for a
     # 10 MB/s link: the plan's own prediction is seconds of stall on a 0.05 s step, so blocks
@@ -300,6 +302,7 @@ def test_a_size_that_comes_back_reads_its_plan_from_the_cache():
     assert [s.plan_source for s in hist].count("cache") >= 3
 
 
+@pytest.mark.usefixtures("plans_land_by_the_next_step")
 def test_no_mix_that_fits_warns_once_naming_the_budget():
     model = tiny_llama(dim=64, n_layers=3, max_seq_len=256)
     batches = lm_batches(model, [96] * 4, B=2)

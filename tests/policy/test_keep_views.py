@@ -104,6 +104,7 @@ def test_the_first_timed_step_corrects_at_once_later_ones_by_their_median():
         is None
 
 
+@pytest.mark.usefixtures("plans_land_by_the_next_step")
 def test_a_slow_first_step_is_corrected_by_later_timed_steps_on_the_emulated_link():
     # The real clock: the first step (the keep view's) runs a backward slowed by 0.2 s (a
     # gradient hook sleeps once), as a cold first step does; the later steps recompute on a
