@@ -206,3 +206,43 @@ def test_the_users_reentrant_checkpoint_inside_accumulates_as_it_does():
         loss = stepped(runner, lambda: run(model))
         assert_bitwise(run(ref), grads(ref), loss, grads(model))
         assert runner._reentrant == {1}
+
+
+class Sometimes(Block):
+    """Calls the shared module only on inputs longer than 6."""
+
+    def forward(self, x, scale=None):
+        h = self.fc2(torch.tanh(self.fc1(x)))
+        return x + (self.shared(h) if x.shape[1] > 6 else h)
+
+
+def test_a_leaf_reached_first_at_a_new_shape_is_found_there():
+    # A block's backward is walked once per shape of its inputs (and always once it reached a
+    # leaf not its own): a shared module first called at a new length is found at that length.
+    torch.manual_seed(2)
+    shared = nn.Linear(8, 8)
+    model = nn.Module()
+    model.shared = shared
+    model.layers = nn.ModuleList([Sometimes(shared=shared), Block()])
+    ref = copy.deepcopy(model)
+    runner = runner_for(model)
+
+    def run(m, x):
+        h = x
+        for layer in m.layers:
+            h = layer(h)
+        loss = h.pow(2).mean()
+        loss.backward()
+        return loss.detach()
+    found = []
+    for T in (5, 5, 7, 7, 5):
+        x = randn(2, T, 8, seed=T)
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        loss = stepped(runner, lambda: run(model, x))
+        assert_bitwise(run(ref, x), grads(ref), loss, grads(model))
+        found.append(0 in runner._foreign)
+    assert found == [False, False, True, True, True]
+    assert [t is model.shared.weight for t in runner._foreign[0]][:1] == [True]
+    assert 1 not in runner._foreign
+    assert sum(k[0] == 1 for k in runner._walked) == 2      # block 1: lengths 5 and 7, once each

@@ -168,6 +168,7 @@ class BlockRunner:
         self._user_ckpt = [False] * len(self.blocks)   # seen checkpointing inside, at run time
         self._reentrant: set[int] = set()     # blocks whose full backward met a reentrant one
         self._foreign: dict[int, list] = {}    # leaves blocks reach that are not theirs (full.py)
+        self._walked: set[tuple] = set()       # (block, its inputs' shapes) walked
         self._create_graph = False     # a full backward ran under create_graph (full.py)
         # Per block: whether selective checkpointing can run it (selective.MutationWatch, on
         # its first call run kept; None: not known yet). A block asked to run selective where
@@ -372,9 +373,11 @@ class BlockRunner:
         if call.mode == "full" and not self._create_graph:
             params = [p for p in self.blocks[i].parameters() if p.requires_grad]
             params += [t for t in self._foreign.get(i, ()) if t.requires_grad]
+            shapes = (i, *((t.shape, t.dtype) for t in flat))
+            walk = i in self._foreign or shapes not in self._walked
             out = full.FullCall(run, params, lambda: _Recompute(self, live, None),
                                 functools.partial(self._reentrant.add, i),
-                                functools.partial(self._foreign_found, i),
+                                functools.partial(self._walked_one, shapes) if walk else None,
                                 functools.partial(setattr, self, "_create_graph", True),
                                 accumulate=i in self._reentrant).run(flat)
         else:
@@ -392,11 +395,14 @@ class BlockRunner:
                 break
         return out
 
-    def _foreign_found(self, i: int, leaves: list) -> None:
-        """Block ``i``'s backward reached ``leaves`` that are not its parameters: a full call
-        passes them to its Function from then on (``full.py``)."""
-        have = self._foreign.setdefault(i, [])
-        have += [t for t in leaves if not any(t is h for h in have)]
+    def _walked_one(self, shapes: tuple, leaves: list) -> None:
+        """The backward of a full call of block ``shapes[0]`` (inputs of those shapes) was walked
+        and reached ``leaves`` that are not the block's parameters: a full call passes them to
+        its Function from then on, and every backward of the block is walked (``full.py``)."""
+        self._walked.add(shapes)
+        if leaves:
+            have = self._foreign.setdefault(shapes[0], [])
+            have += [t for t in leaves if not any(t is h for h in have)]
 
     def _keep_out(self, live: _Live, out) -> None:
         """Hold the bytes of an output selective checkpointing keeps (once per storage)."""
