@@ -25,7 +25,11 @@ of the step for its 8 layers walked every time): their gradients are accumulated
 them), and ``on_walk`` is told what was found, so that the runner passes them as the Function's
 inputs too from the next call on, where their gradients go back through the outer backward like
 the parameters'. The runner walks a block's first backward for each shape of its inputs, and
-every backward of a block once found to reach leaves not its own.
+every backward of a block once found to reach leaves not its own. The limit: a block that holds
+none of what it reaches, and reaches a leaf not its own for the first time on inputs of a shape
+already walked (a choice made on values, not shapes), would leave that leaf's gradient out of
+that one backward; a module a block calls is its parameter if the block holds it (as
+``nn.Module`` attributes and ``ModuleList`` do).
 
 Under ``create_graph`` (a gradient penalty) the gradients are right, but they reach a parameter
 through the recompute's nodes and the Function's edge instead of the forward's own nodes, so
