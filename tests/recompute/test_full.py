@@ -246,3 +246,51 @@ def test_a_leaf_reached_first_at_a_new_shape_is_found_there():
     assert [t is model.shared.weight for t in runner._foreign[0]][:1] == [True]
     assert 1 not in runner._foreign
     assert sum(k[0] == 1 for k in runner._walked) == 2      # block 1: lengths 5 and 7, once each
+
+
+class OnValues(Block):
+    """Calls the shared module only where the input's sum is positive: chosen by values."""
+
+    def forward(self, x, scale=None):
+        h = self.fc2(torch.tanh(self.fc1(x)))
+        return x + (self.shared(h) if float(x.sum()) > 0 else h)
+
+
+@pytest.mark.parametrize("engine", [False, True])
+def test_a_module_called_first_on_a_shape_already_walked_is_found_by_the_probe(engine):
+    # No walk at the second step (its shape was walked at the first): the shared module it calls
+    # there for the first time is seen calling, and its gradients are all there.
+    import chameleon_swap as cs
+    torch.manual_seed(6)
+    shared = nn.Linear(8, 8)
+    model = nn.Module()
+    model.shared = shared
+    model.layers = nn.ModuleList([OnValues(shared=shared), Block()])
+    ref = copy.deepcopy(model)
+    xs = [-randn(2, 5, 8, seed=1).abs(), randn(2, 5, 8, seed=2).abs(), randn(2, 5, 8, seed=3)]
+    if engine:
+        eng = cs.Chameleon(None, model=model, blocks="layers")
+        runner, step = eng._runner, eng.step
+        runner.mode_fn = lambda b: "full"
+    else:
+        runner = runner_for(model)
+        step = None
+    for k, x in enumerate(xs):
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+
+        def run(m):
+            h = x
+            for layer in m.layers:
+                h = layer(h)
+            loss = h.pow(2).mean()
+            loss.backward()
+            return loss.detach()
+        if step is not None:
+            with step():
+                loss = run(model)
+        else:
+            loss = stepped(runner, lambda: run(model))
+        assert_bitwise(run(ref), grads(ref), loss, grads(model))
+        assert (0 in runner._foreign) == (k > 0)
+    assert sum(k[0] == 0 for k in runner._walked) == 1

@@ -17,19 +17,20 @@ Measured (this project's 2-core CPU, torch 2.13, the demo's HF Llama 128 x 8 at 
 every layer recomputed, one thread, 30 interleaved steps): 77.0 ms a step against 81.2 ms with
 non-reentrant checkpointing (the plain step 60.3 ms), the same bits.
 
-Leaves the block reaches that are not its parameters (a shared module it calls but does not
-hold, a tensor in a closure) are found by walking the recompute's graph (``walk``; 78 nodes for a
+Leaves the block reaches that are not its parameters are found two ways. The parameters of
+modules outside the block that its recompute calls (a shared module it calls but does not hold)
+come from the runner's module probe in every recompute (``reached``). Any other (a parameter used
+without calling its module, a tensor in a closure) is found by walking the recompute's graph
+(``walk``; 78 nodes for a
 layer of the demo's Llama, 20 us alone and 110-150 us in a training step on the 2-core CPU, 1 ms
 of the step for its 8 layers walked every time): their gradients are accumulated into their
 ``.grad`` by a nested ``torch.autograd.backward`` (what reentrant checkpoint does for all of
 them), and ``on_walk`` is told what was found, so that the runner passes them as the Function's
 inputs too from the next call on, where their gradients go back through the outer backward like
 the parameters'. The runner walks a block's first backward for each shape of its inputs, and
-every backward of a block once found to reach leaves not its own. The limit: a block that holds
-none of what it reaches, and reaches a leaf not its own for the first time on inputs of a shape
-already walked (a choice made on values, not shapes), would leave that leaf's gradient out of
-that one backward; a module a block calls is its parameter if the block holds it (as
-``nn.Module`` attributes and ``ModuleList`` do).
+every backward of a block once found to reach leaves not its own. The limit: a leaf that is
+neither the block's nor a called module's, reached for the first time on inputs of a shape
+already walked (a choice made on values, not shapes), would miss its gradient in that backward.
 
 Under ``create_graph`` (a gradient penalty) the gradients are right, but they reach a parameter
 through the recompute's nodes and the Function's edge instead of the forward's own nodes, so
@@ -95,11 +96,15 @@ class FullCall:
     around each recompute (the runner's marks and holds)."""
 
     def __init__(self, fn: Callable, params: list, recompute_ctx: Callable,
-                 on_reentrant: Callable[[], None], on_walk: Optional[Callable[[list], None]],
-                 on_create_graph: Callable[[], None], accumulate: bool = False) -> None:
+                 on_reentrant: Callable[[], None], on_create_graph: Callable[[], None],
+                 reached: Callable[[], list], on_found: Callable[[list, bool], None],
+                 walk: bool = True, accumulate: bool = False) -> None:
         self.fn, self.params = fn, params
         self.recompute_ctx, self.on_reentrant = recompute_ctx, on_reentrant
-        self.on_walk, self.on_create_graph = on_walk, on_create_graph   # (on_walk None: no walk)
+        self.on_create_graph = on_create_graph
+        # reached(): parameters of modules outside the block its last recompute called;
+        # on_found(leaves, walked): the leaves not the block's this backward reached.
+        self.reached, self.on_found, self.walk = reached, on_found, walk
         self.accumulate = accumulate
         self.forward_state: Optional[_Forward] = None
         self.spec = None
@@ -140,12 +145,16 @@ class FullCall:
         outs = self._again(inputs)
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
         if not pairs:
+            self.reached()                      # (emptied for the next recompute)
             return tuple(res)
         ys, gs = [o for o, _ in pairs], [g for _, g in pairs]
-        foreign = []
-        if self.on_walk is not None:
-            foreign = _foreign(ys, inputs, self.params, create)
-            self.on_walk(foreign)
+        known = {id(t) for t in inputs} | {id(p) for p in self.params}
+        foreign = [t for t in self.reached() if id(t) not in known]
+        if self.walk:
+            known.update(id(t) for t in foreign)
+            foreign += _foreign(ys, inputs, known, create)
+        if foreign or self.walk:
+            self.on_found(foreign, self.walk)
         try:
             if wanted:
                 got = torch.autograd.grad(
@@ -167,6 +176,7 @@ class FullCall:
         n = len(saved)
         inputs = [t.detach().requires_grad_(need[k]) for k, t in enumerate(saved)]
         outs = self._again(inputs)
+        self.reached()          # (every leaf reached is accumulated here: none to pass on)
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
@@ -174,11 +184,10 @@ class FullCall:
                      for k in range(n + len(self.params)))
 
 
-def _foreign(ys: list, inputs: list, params: list, create: bool) -> list:
-    """Leaves requiring grad that the graph of ``ys`` reaches, other than ``inputs`` and
-    ``params`` (where ``create``, the inputs are the forward's own tensors: the walk stops at
-    them instead of running into the graph before the block)."""
-    known = {id(t) for t in inputs} | {id(p) for p in params}
+def _foreign(ys: list, inputs: list, known: set, create: bool) -> list:
+    """Leaves requiring grad that the graph of ``ys`` reaches whose ids are not in ``known``
+    (which this extends; where ``create``, the ``inputs`` are the forward's own tensors: the walk
+    stops at them instead of running into the graph before the block)."""
     stop = {t.grad_fn for t in inputs if t.grad_fn is not None} if create else set()
     seen, todo, found = set(), [y.grad_fn for y in ys if y.grad_fn is not None], []
     while todo:

@@ -169,6 +169,8 @@ class BlockRunner:
         self._reentrant: set[int] = set()     # blocks whose full backward met a reentrant one
         self._foreign: dict[int, list] = {}    # leaves blocks reach that are not theirs (full.py)
         self._walked: set[tuple] = set()       # (block, its inputs' shapes) walked
+        self._members = [{id(m) for m in b.modules()} for b in self.blocks]
+        self._outside: Optional[list] = None   # modules not the block's its recompute called
         self._create_graph = False     # a full backward ran under create_graph (full.py)
         # Per block: whether selective checkpointing can run it (selective.MutationWatch, on
         # its first call run kept; None: not known yet). A block asked to run selective where
@@ -253,12 +255,15 @@ class BlockRunner:
     def probe(self, module: nn.Module) -> None:
         """Before a module call: inside a block's call, a module that starts under other
         saved-tensor hooks than the block did (the user's own checkpoint) makes the block
-        ineligible from then on. Cheap where no block call is running."""
+        ineligible from then on; in a full block's recompute, a module not the block's is
+        noted (``full.py``). Cheap where no block call is running."""
         if self._probe is None:
             return
         i, top, recomputes = self._probe
         if self._recomputes != recomputes:      # (another block's recompute, inside)
             return
+        if self._outside is not None and id(module) not in self._members[i]:
+            self._outside.append(module)        # (a full block's recompute: full.py)
         now = _top_hooks(False)
         if not (now is top or (now is not None and top is not None
                                and now[0] is top[0] and now[1] is top[1])):
@@ -374,11 +379,11 @@ class BlockRunner:
             params = [p for p in self.blocks[i].parameters() if p.requires_grad]
             params += [t for t in self._foreign.get(i, ()) if t.requires_grad]
             shapes = (i, *((t.shape, t.dtype) for t in flat))
-            walk = i in self._foreign or shapes not in self._walked
-            out = full.FullCall(run, params, lambda: _Recompute(self, live, None),
+            out = full.FullCall(run, params, lambda: _Recompute(self, live, None, outside=True),
                                 functools.partial(self._reentrant.add, i),
-                                functools.partial(self._walked_one, shapes) if walk else None,
                                 functools.partial(setattr, self, "_create_graph", True),
+                                self._reached, functools.partial(self._found, shapes),
+                                walk=i in self._foreign or shapes not in self._walked,
                                 accumulate=i in self._reentrant).run(flat)
         else:
             forward_ctx, recompute_ctx = (selective.selective_contexts(functools.partial(
@@ -395,11 +400,18 @@ class BlockRunner:
                 break
         return out
 
-    def _walked_one(self, shapes: tuple, leaves: list) -> None:
-        """The backward of a full call of block ``shapes[0]`` (inputs of those shapes) was walked
-        and reached ``leaves`` that are not the block's parameters: a full call passes them to
-        its Function from then on, and every backward of the block is walked (``full.py``)."""
-        self._walked.add(shapes)
+    def _reached(self) -> list:
+        """The parameters of the modules outside the block that its last recompute called."""
+        mods, self._outside = self._outside or [], None
+        return [p for m in mods for p in m.parameters() if p.requires_grad]
+
+    def _found(self, shapes: tuple, leaves: list, walked: bool) -> None:
+        """The backward of a full call of block ``shapes[0]`` (inputs of those shapes; its graph
+        ``walked`` or not) reached ``leaves`` that are not the block's parameters: a full call
+        passes them to its Function from then on, and every backward of the block is walked
+        (``full.py``)."""
+        if walked:
+            self._walked.add(shapes)
         if leaves:
             have = self._foreign.setdefault(shapes[0], [])
             have += [t for t in leaves if not any(t is h for h in have)]
@@ -462,12 +474,15 @@ class _Recompute:
     """checkpoint's recompute context: marks the runner as recomputing, times the recompute and
     starts the block's working-set hold (only for a recompute inside the call's own step)."""
 
-    def __init__(self, runner: BlockRunner, live: _Live, inner) -> None:
+    def __init__(self, runner: BlockRunner, live: _Live, inner, outside: bool = False) -> None:
         self.runner, self.live, self.inner, self.start = runner, live, inner, None
+        self.outside = outside          # (collect the modules outside the block it calls)
 
     def __enter__(self):
         r = self.runner
         r._recomputes += 1
+        if self.outside:
+            r._outside = []
         try:
             if r._active and self.live.step == r._step:
                 self.start = r._recompute_begins(self.live)
