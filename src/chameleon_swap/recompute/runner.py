@@ -286,6 +286,7 @@ class BlockRunner:
         self._cache_was = _cache_off(self.model)
         # No block runs or recomputes between steps: counts an interrupt left unbalanced go.
         self._depth = self._recomputes = self.quiet = 0
+        self._outside = None
         self._refresh_eligible()     # the user may have turned gradient checkpointing on or off
         self._calls, self._timed = [], []
 
