@@ -294,3 +294,35 @@ def test_a_module_called_first_on_a_shape_already_walked_is_found_by_the_probe(e
         assert_bitwise(run(ref), grads(ref), loss, grads(model))
         assert (0 in runner._foreign) == (k > 0)
     assert sum(k[0] == 0 for k in runner._walked) == 1
+
+
+class Passes(nn.Module):
+    """A block that returns its input, or a view of it (a skipped layer)."""
+
+    def __init__(self, view: bool) -> None:
+        super().__init__()
+        self.unused, self.view = nn.Linear(8, 8), view
+
+    def forward(self, x, scale=None):
+        return x.view(x.shape) if self.view else x
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_a_block_that_returns_its_input_or_a_view_of_it(view):
+    torch.manual_seed(8)
+    model = nn.Module()
+    model.layers = nn.ModuleList([Block(), Passes(view), Block()])
+    ref = copy.deepcopy(model)
+    runner = BlockRunner(model, "layers", mode_fn=lambda b: "full", accountant=Books())
+    runner.install()
+    x = randn(2, 5, 8)
+
+    def run(m):
+        h = x
+        for layer in m.layers:
+            h = layer(h)
+        loss = h.pow(2).mean()
+        loss.backward()
+        return loss.detach()
+    loss = stepped(runner, lambda: run(model))
+    assert_bitwise(run(ref), grads(ref), loss, grads(model))
