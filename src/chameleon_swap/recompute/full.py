@@ -125,11 +125,15 @@ class FullCall:
         self.others = [x for x, t in zip(leaves, self.is_tensor) if not t]
         return tuple(x for x, t in zip(leaves, self.is_tensor) if t)
 
-    def _again(self, inputs: list):
+    def _again(self, inputs: list, grads: tuple) -> tuple[list, list]:
+        """Run the block again on ``inputs``; its tensor outputs that require grad and were
+        given a gradient in ``grads``, and those gradients."""
         with self.forward_state.restored(), torch.enable_grad(), \
                 torch.autograd.graph.saved_tensors_hooks(_same, _same), self.recompute_ctx():
             out = self.fn(*inputs)
-        return [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+        outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        return [o for o, _ in pairs], [g for _, g in pairs]
 
     def backward(self, saved: tuple, need: tuple, grads: tuple) -> tuple:
         if self.accumulate:
@@ -142,12 +146,10 @@ class FullCall:
                   for k, t in enumerate(saved)]
         wanted = [k for k in range(n + len(self.params)) if need[k]]
         res: list = [None] * (n + len(self.params))
-        outs = self._again(inputs)
-        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-        if not pairs:
+        ys, gs = self._again(inputs, grads)
+        if not ys:
             self.reached()                      # (emptied for the next recompute)
             return tuple(res)
-        ys, gs = [o for o, _ in pairs], [g for _, g in pairs]
         known = {id(t) for t in inputs} | {id(p) for p in self.params}
         foreign = [t for t in self.reached() if id(t) not in known]
         if self.walk:
@@ -175,11 +177,10 @@ class FullCall:
         """The user's reentrant checkpoint inside: run again, and accumulate as it does."""
         n = len(saved)
         inputs = [t.detach().requires_grad_(need[k]) for k, t in enumerate(saved)]
-        outs = self._again(inputs)
+        ys, gs = self._again(inputs, grads)
         self.reached()          # (every leaf reached is accumulated here: none to pass on)
-        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if ys:
+            torch.autograd.backward(ys, gs)
         return tuple(inputs[k].grad if k < n and need[k] else None
                      for k in range(n + len(self.params)))
 
