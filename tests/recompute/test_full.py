@@ -67,6 +67,17 @@ def stepped(runner, fn):
         runner.end_step(False)
 
 
+def trained(m, x):
+    """One forward and backward of ``m``'s layers on ``x`` (models without a forward of their
+    own); the loss."""
+    h = x
+    for layer in m.layers:
+        h = layer(h)
+    loss = h.pow(2).mean()
+    loss.backward()
+    return loss.detach()
+
+
 def test_the_forward_saves_only_the_calls_tensors():
     model = Net()
     runner = runner_for(model)
@@ -189,22 +200,13 @@ def test_the_users_reentrant_checkpoint_inside_accumulates_as_it_does():
     model = nn.Module()
     model.layers = nn.ModuleList([Block(), Reentrant(), Block()])
     ref = copy.deepcopy(model)
-    runner = BlockRunner(model, "layers", mode_fn=lambda b: "full", accountant=Books())
-    runner.install()
+    runner = runner_for(model)
     for T in (5, 6):
         x = randn(2, T, 8, seed=T)
         model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
-
-        def run(m):
-            h = x
-            for layer in m.layers:
-                h = layer(h)
-            loss = h.pow(2).mean()
-            loss.backward()
-            return loss.detach()
-        loss = stepped(runner, lambda: run(model))
-        assert_bitwise(run(ref), grads(ref), loss, grads(model))
+        loss = stepped(runner, lambda: trained(model, x))
+        assert_bitwise(trained(ref, x), grads(ref), loss, grads(model))
         assert runner._reentrant == {1}
 
 
@@ -226,21 +228,13 @@ def test_a_leaf_reached_first_at_a_new_shape_is_found_there():
     model.layers = nn.ModuleList([Sometimes(shared=shared), Block()])
     ref = copy.deepcopy(model)
     runner = runner_for(model)
-
-    def run(m, x):
-        h = x
-        for layer in m.layers:
-            h = layer(h)
-        loss = h.pow(2).mean()
-        loss.backward()
-        return loss.detach()
     found = []
     for T in (5, 5, 7, 7, 5):
         x = randn(2, T, 8, seed=T)
         model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
-        loss = stepped(runner, lambda: run(model, x))
-        assert_bitwise(run(ref, x), grads(ref), loss, grads(model))
+        loss = stepped(runner, lambda: trained(model, x))
+        assert_bitwise(trained(ref, x), grads(ref), loss, grads(model))
         found.append(0 in runner._foreign)
     assert found == [False, False, True, True, True]
     assert [t is model.shared.weight for t in runner._foreign[0]][:1] == [True]
@@ -278,20 +272,12 @@ def test_a_module_called_first_on_a_shape_already_walked_is_found_by_the_probe(e
     for k, x in enumerate(xs):
         model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
-
-        def run(m):
-            h = x
-            for layer in m.layers:
-                h = layer(h)
-            loss = h.pow(2).mean()
-            loss.backward()
-            return loss.detach()
         if step is not None:
             with step():
-                loss = run(model)
+                loss = trained(model, x)
         else:
-            loss = stepped(runner, lambda: run(model))
-        assert_bitwise(run(ref), grads(ref), loss, grads(model))
+            loss = stepped(runner, lambda: trained(model, x))
+        assert_bitwise(trained(ref, x), grads(ref), loss, grads(model))
         assert (0 in runner._foreign) == (k > 0)
     assert sum(k[0] == 0 for k in runner._walked) == 1
 
@@ -313,16 +299,7 @@ def test_a_block_that_returns_its_input_or_a_view_of_it(view):
     model = nn.Module()
     model.layers = nn.ModuleList([Block(), Passes(view), Block()])
     ref = copy.deepcopy(model)
-    runner = BlockRunner(model, "layers", mode_fn=lambda b: "full", accountant=Books())
-    runner.install()
+    runner = runner_for(model)
     x = randn(2, 5, 8)
-
-    def run(m):
-        h = x
-        for layer in m.layers:
-            h = layer(h)
-        loss = h.pow(2).mean()
-        loss.backward()
-        return loss.detach()
-    loss = stepped(runner, lambda: run(model))
-    assert_bitwise(run(ref), grads(ref), loss, grads(model))
+    loss = stepped(runner, lambda: trained(model, x))
+    assert_bitwise(trained(ref, x), grads(ref), loss, grads(model))
