@@ -206,12 +206,10 @@ def test_a_model_that_misses_is_corrected_and_the_step_says_replanned(monkeypatc
         assert 2e7 < d2h < 6e7 and 2e7 < h2d < 6e7          # timed: about 40 MB/s
 
 
-@pytest.mark.usefixtures("plans_land_by_the_next_step")
-def test_a_swap_plan_that_misses_under_a_mode_plan_is_made_again_on_the_emulated_link():
-    # With model=, the prediction a step reports is the swap plan's made from a step in its
-    # modes; a miss re-plans the modes, and (before) left that swap plan as it was: it went on
-    # missing and the modes were planned again every second step. Here the swap plans standing
-    # for the size are made to read a third of their step; the misses must make them again.
+def _swap_plans_read_a_third(after_settling=lambda eng: None):
+    """A 4-block Llama at 25% of its peak on a 50 MB/s link: 8 steps to settle, then the swap
+    plans standing for its size made to read a third of their step (``after_settling(eng)``
+    first), and 16 steps more. Their ratios of measured to predicted step, and their stats."""
     model = tiny_llama(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=256)
     # (8 steps first: the mix and its swap plans settle; 16 after, since a check follows a
     # correction's cooldown. With 5 and 11 this test failed 4 runs in 10 at 79e1127 on a busy
@@ -222,13 +220,23 @@ def test_a_swap_plan_that_misses_under_a_mode_plan_is_made_again_on_the_emulated
                       emulate_link="50MB/s") as eng:
         for b in batches[:8]:
             train_step(model, b, eng)
+        after_settling(eng)
         for entry in eng._policy.cache.entries():
             entry.predicted_step_seconds /= 3
         for b in batches[8:]:
             train_step(model, b, eng)
             assert eng.last_step.peak_resident_bytes <= budget
         hist = list(eng.history)[8:]
-    off = [s.step_seconds / s.predicted_step_seconds for s in hist]
+    return [s.step_seconds / s.predicted_step_seconds for s in hist], hist
+
+
+@pytest.mark.usefixtures("plans_land_by_the_next_step")
+def test_a_swap_plan_that_misses_under_a_mode_plan_is_made_again_on_the_emulated_link():
+    # With model=, the prediction a step reports is the swap plan's made from a step in its
+    # modes; a miss re-plans the modes, and (before) left that swap plan as it was: it went on
+    # missing and the modes were planned again every second step. Here the swap plans standing
+    # for the size are made to read a third of their step; the misses must make them again.
+    off, hist = _swap_plans_read_a_third()
     assert max(off[:3]) > 2, off                             # the wrong plan stood, and missed
     assert "replanned" in [s.plan_source for s in hist]
     # Made again from a step, it holds (the median of the last three: this machine's noise
@@ -243,22 +251,11 @@ def test_a_swap_plan_that_misses_while_its_modes_are_being_planned_again_is_made
     # plan, made again from a changed keep view, was on its way). The swap plan that stands for
     # the step is checked on its own meanwhile, made again from a step, and says so.
     from chameleon_swap.policy import background
-    model = tiny_llama(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=256)
-    batches = lm_batches(model, [128] * 24, B=4)
-    budget = int(natural_peak(model, batches[0]) * 0.25)
-    with cs.Chameleon(budget, device="cpu", min_tensor_bytes=0, model=model,
-                      emulate_link="50MB/s") as eng:
-        for b in batches[:8]:
-            train_step(model, b, eng)
+
+    def starve(eng):
         monkeypatch.setattr(background.Worker, "ready", lambda self, ticket: False)
-        for entry in eng._policy.cache.entries():
-            entry.predicted_step_seconds /= 3
         eng._policy.modes.views.version += 1        # (a view changed: the modes wait a plan)
-        for b in batches[8:]:
-            train_step(model, b, eng)
-            assert eng.last_step.peak_resident_bytes <= budget
-        hist = list(eng.history)[8:]
-    off = [s.step_seconds / s.predicted_step_seconds for s in hist]
+    off, _ = _swap_plans_read_a_third(starve)
     assert max(off[:3]) > 2, off
     # (Which step reads "replanned" depends on the mix the first 8 steps settled on, which this
     # machine's timing decides: the prediction coming right is what the check must bring.)
