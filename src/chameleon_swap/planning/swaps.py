@@ -17,7 +17,8 @@ millisecond for 300 spans), so the search is greedy plus local improvement, not 
 4. Local improvement from each ranking's best prefix (only the best on large profiles): passes of
    single add / remove / swap moves, chosen from the ranking's boundary and from where the
    prediction stalls (late copies back: remove; waits in forward: add spans saved earlier).
-   A change is kept when it lowers the predicted total (ties: fewer bytes moved).
+   A change is kept when it lowers the predicted total (ties: fewer moves where a move costs
+   the host, then fewer bytes moved).
 5. Copies back: each is issued as late as it still arrives in time - a backward pass from the
    last use on the single FIFO H2D stream (``fetch_schedule``) - and the model defers one that
    finds no room, as the runtime does. When copies back still come late, the guard's way (every
@@ -64,8 +65,13 @@ def plan(profile: Profile, budget: Optional[int], *, max_passes: int = DEFAULT_M
         return _Search(profile, budget, max_evals).run(max_passes)
     # A move's host cost prices the plan (the mode search compares mixes by it), not the search
     # among swap sets: charged there, it traded planned copies for the guard's forced ones and
-    # for plans with no slack, which then needed the guard every step.
-    found = _Search(replace(profile, move_seconds=0.0), budget, max_evals).run(max_passes)
+    # for plans with no slack, which then needed the guard every step. It breaks ties, though:
+    # among sets predicted equally fast, the one with fewer moves costs the host less. Broken by
+    # bytes alone, the tie went to the set closest to the excess, made of the smallest tensors
+    # (the CPU demo's Llama at 128 tokens with two blocks kept: 23 moves, 581 bytes over the
+    # excess, priced 58.4 ms, where 4 of its 344 KiB tensors hid as well: 55.6 ms).
+    found = _Search(replace(profile, move_seconds=0.0), budget, max_evals,
+                    fewer_moves=True).run(max_passes)
     return Plan(found.move, found.fetch_at, budget, simulate(profile, found, budget))
 
 
@@ -152,8 +158,10 @@ def _alap(profile: Profile, latest_first, margin_slots: int = 0) -> dict[int, in
 
 # ---------------------------------------------------------------------------- search
 class _Search:
-    def __init__(self, profile: Profile, budget: int, max_evals: int) -> None:
+    def __init__(self, profile: Profile, budget: int, max_evals: int,
+                 fewer_moves: bool = False) -> None:
         self.pr = profile
+        self.fewer_moves = fewer_moves
         self.budget = budget
         self.max_evals = max(1, max_evals)
         self.evals = 0
@@ -166,10 +174,11 @@ class _Search:
                                    reverse=True)
 
     # A plan's score: budget first, then predicted time (equal within 1e-10 of the step's
-    # compute), then bytes moved (copies are not free: host memory bandwidth, pinned memory).
+    # compute), then the moves where each costs the host (``fewer_moves``, see ``plan``), then
+    # bytes moved (copies are not free: host memory bandwidth, pinned memory).
     def key(self, pred: Prediction, move) -> tuple:
         return (not pred.budget_ok, round(pred.total_seconds / self.scale, 10),
-                sum(self.nbytes[j] for j in move))
+                len(move) if self.fewer_moves else 0, sum(self.nbytes[j] for j in move))
 
     def out_of_evals(self) -> bool:
         return self.evals >= self.max_evals
