@@ -184,7 +184,8 @@ class Chameleon:
         self._prev_ids: Optional[list] = None
         self._state_bytes = 0                     # device bytes allocated when a step began
         self._hooks = module_hooks.register(self, self._resident_only)
-        weakref.finalize(self, module_hooks.remove, list(self._hooks))
+        # The list itself, not a copy: ``module_hooks.paused`` puts new handles in it.
+        weakref.finalize(self, module_hooks.remove, self._hooks)
         if self._resident_only:
             from .runtime.resident import resident_hooks
             self._ex.pack, self._ex.unpack = resident_hooks(self._ex)

@@ -34,6 +34,7 @@ from typing import Callable, Optional
 import torch
 
 from ..config import format_bytes
+from ..runtime import module_hooks
 from .harness import _sync
 from .records import median_interval, nan_max
 
@@ -149,16 +150,19 @@ def run_choice(device: torch.device, steps: int,
             losses = {}
             for leg in order:
                 m, eng = models[leg], engines.get(leg)
-                _sync(device)
-                t0 = time.perf_counter()
-                if eng is None:
-                    loss = loss_of(m, T)
-                    loss.backward()
-                else:
-                    with eng.step():
+                # Each leg as it would run alone: no other engine's idle hooks on its module
+                # calls (``module_hooks.paused``: two idle engines cost checkpointing's step 3.6%).
+                with module_hooks.paused([e for e in engines.values() if e is not eng]):
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    if eng is None:
                         loss = loss_of(m, T)
                         loss.backward()
-                _sync(device)
+                    else:
+                        with eng.step():
+                            loss = loss_of(m, T)
+                            loss.backward()
+                    _sync(device)
                 if leg == AGAIN:
                     again_loss = loss.detach()
                     opts[leg].step()
