@@ -226,3 +226,19 @@ def test_the_verdict_compares_step_for_step_and_says_when_noise_hides_the_differ
     # Too few steps for an interval: said so, the median still given.
     short = choice.summarize(_timed([0.09, 0.18, 0.27], [0.1, 0.2, 0.3]), *args)
     assert short["paired"]["interval"] is None and "too few steps" in short["verdict"]
+
+
+def test_the_verdict_names_the_leg_ahead_in_each_half():
+    # Checkpointing ahead over all steps, the engine over the last half (its first steps plan):
+    # the second clause names the engine. It read "it is ... as fast as gradient checkpointing"
+    # after a first clause whose subject was checkpointing.
+    peaks = {"none": {8: 4}, "gradient checkpointing": {8: 1}}
+    args = (peaks, 2, 4, None, True, choice.SIZES["tiny"], torch.device("cpu"))
+    gc = [0.1] * 9
+    eng = [0.1, 0.2, 0.2, 0.2, 0.09, 0.09, 0.09, 0.09, 0.09]
+    v = choice.summarize(_timed(eng, gc), *args)["verdict"]
+    assert v.startswith("gradient checkpointing is 1.31x as fast as chameleon model= over all")
+    assert "over the last 5, chameleon model= is 1.11x as fast as gradient checkpointing" in v
+    # The same leg ahead in both: "it".
+    v = choice.summarize(_timed([0.09] * 9, gc), *args)["verdict"]
+    assert "over the last 5, it is 1.11x as fast as gradient checkpointing" in v

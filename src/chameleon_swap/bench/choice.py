@@ -284,11 +284,13 @@ def summarize(per_step: list, peaks: dict, budget: int, natural: int, link: Opti
         return (f"chameleon model= is {faster:.2f}x as fast as gradient checkpointing"
                 if faster >= 1 else f"gradient checkpointing is {1 / faster:.2f}x as fast as "
                 f"chameleon model=")
-    verdict = (f"{compared('ratio_vs_none')} over all {len(timed)} steps after the first; over "
-               f"the last {len(steady)}, "
-               f"{compared('steady_ratio_vs_none').replace('chameleon model= is', 'it is')}"
-               f"; within a budget of {format_bytes(budget)} ({FRACTION:.0%} of the natural "
-               f"peak)")
+    first, last = compared("ratio_vs_none"), compared("steady_ratio_vs_none")
+    subject = first.split(" is ")[0]
+    if last.startswith(subject + " is "):         # "it": the same leg ahead in both halves
+        last = "it" + last[len(subject):]
+    verdict = (f"{first} over all {len(timed)} steps after the first; over the last "
+               f"{len(steady)}, {last}; within a budget of {format_bytes(budget)} "
+               f"({FRACTION:.0%} of the natural peak)")
     pair = paired(timed, "chameleon model=", "gradient checkpointing")
     verdict += "; " + _paired_words(pair)
     return {"model": f"HF Llama hidden {size['hidden']} x {size['layers']} layers, batch "
