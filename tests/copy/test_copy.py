@@ -445,6 +445,26 @@ def test_the_emulated_link_makes_copies_last_their_bytes_over_its_bandwidth():
         e.close()
 
 
+def test_the_copy_threads_cpu_counts_their_copies_not_the_emulated_links_sleep():
+    # 2 MB each way at 20 MB/s: the copies last 200 ms, their memmoves and Python a millisecond
+    # or so. take_cpu counts the threads' CPU (part of what a move costs the step), not the
+    # sleep, and taking resets it.
+    e = CpuCopyEngine(bytes_per_s=20e6)
+    try:
+        src = torch.arange(2 * 2**20, dtype=torch.int32).to(torch.uint8)
+        dst = torch.empty_like(src)
+        ticket = e.offload(src, dst, e.record_ready())
+        back, t2 = e.fetch(dst, ticket)
+        e.wait(t2)
+        cpu = e.take_cpu()
+        slept = sum(s for _, s in e.take_link().values())
+        assert slept >= 0.18 and 0 < cpu < 0.05, (cpu, slept)
+        assert e.take_cpu() == 0.0
+    finally:
+        e.close()
+    assert make_copy_engine(torch.device("cpu")).take_cpu() == 0.0   # nothing copied yet
+
+
 def test_emulate_link_is_checked_and_cpu_only():
     with pytest.raises(ValueError, match="emulate_link"):
         cs.Chameleon(1000, device="cpu", emulate_link="fast")

@@ -268,6 +268,9 @@ def test_moves_are_kept_apart_from_compute_on_the_host_clock_not_on_the_device_o
     # slot 1 lasted 3 ticks (two of them the move's): 1 s moving, 0.25 s waiting, 1.75 s compute.
     assert p.compute == [1.0, 1.75, 1.0, 0.5]
     assert p.move_seconds_each == pytest.approx(1.5)
+    # The copy threads' own CPU time is part of what the move cost (``copy/cpu.py``).
+    p.extra["copy_cpu"] = 0.25
+    assert p.move_seconds_each == pytest.approx(1.75)
     # On CUDA the slots are timed by the device, which the host's moves overlap: reported only.
     p.moves_apart = False
     assert p.move_seconds_each is None
@@ -284,8 +287,12 @@ def test_a_step_reports_its_moves_and_the_engine_learns_their_cost_from_the_firs
         p, s = eng._profiler.last_profile, eng.last_step
         assert s.offloaded_tensors > 0 and p.moved == s.offloaded_tensors
         assert len(p.moves) == p.n_slots and sum(p.moves) > 0
-        # The first plan already knows what a move costs, without a miss to learn from.
+        # The first plan already knows what a move costs, without a miss to learn from: the
+        # compute thread's timed part and the copy threads' CPU, recorded with the step.
         assert eng._policy.checks.move_measured == pytest.approx(p.move_seconds_each)
+        assert p.extra["copy_cpu"] > 0
+        assert p.move_seconds_each == pytest.approx((sum(p.moves) + p.extra["copy_cpu"])
+                                                    / p.moved)
     with cs.Chameleon(peak * 2, device="cpu", min_tensor_bytes=0) as eng:
         run(eng, m, b)
         p = eng._profiler.last_profile

@@ -27,6 +27,9 @@ CUDA and ordering bugs show in the CPU tests:
 ``take_link() -> {"d2h": (bytes, seconds), "h2d": ...}``
     at step end: what the copies of the step moved and how long they took, per direction, where
     the backend times them (CPU); ``{}`` where it does not (CUDA).
+``take_cpu() -> float``
+    at step end: CPU seconds the backend's own threads spent copying since last taken (CPU:
+    its two workers; 0.0 on CUDA, whose copies take no host thread).
 ``host_block()``
     a context manager around work that blocks the calling thread without computing (the host
     arena allocating, on CUDA pinning, memory for a copy-out): counted as a wait of the step,
@@ -70,6 +73,7 @@ class CopyEngine(Protocol):
     def take_stalls(self) -> list[tuple[int, float]]: ...
     def take_stall_seconds(self) -> float: ...
     def take_link(self) -> dict: ...
+    def take_cpu(self) -> float: ...
     def close(self) -> None: ...
 
 

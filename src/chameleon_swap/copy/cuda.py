@@ -180,5 +180,9 @@ class CudaCopyEngine:
         nothing measured; the engine fits the link from the stalls instead."""
         return {}
 
+    def take_cpu(self) -> float:
+        """No copy threads: the copy engines of the GPU move the bytes."""
+        return 0.0
+
     def close(self) -> None:
         self.synchronize()

@@ -74,10 +74,12 @@ class StepProfile:
     @property
     def move_seconds_each(self) -> Optional[float]:
         """Host seconds one moved tensor cost the step (its copy out and back, the books), as
-        timed; None when nothing moved or the moves are not apart from compute (CUDA)."""
+        timed, with the copy threads' own CPU time (``extra["copy_cpu"]``, see ``copy/cpu.py``:
+        the compute thread's timed part alone read a move at about half what it cost the step);
+        None when nothing moved or the moves are not apart from compute (CUDA)."""
         if not self.moved or not self.moves_apart:
             return None
-        return float(sum(self.moves)) / self.moved
+        return (float(sum(self.moves)) + float(self.extra.get("copy_cpu", 0.0))) / self.moved
 
     @property
     def n_slots(self) -> int:
