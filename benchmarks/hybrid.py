@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 import chameleon_swap as cs  # noqa: E402
-from chameleon_swap.runtime import module_hooks  # noqa: E402
+from chameleon_swap.engine import paused_hooks  # noqa: E402
 
 FRACTIONS = (0.25, 0.5, 0.75)
 # hidden x layers -> lengths of the schedule, as measured on an H100 by the project.
@@ -175,9 +175,9 @@ def main(argv=None) -> int:
 
     def run(mode: str, engines: dict, T: int) -> torch.Tensor:
         # Each mode as it would run alone: no other engine's idle global module hooks on its
-        # module calls (``module_hooks.paused``; measured, two idle engines cost the CPU demo's
-        # checkpointed step 3.6%).
-        with module_hooks.paused([e for m, e in engines.items() if m != mode]):
+        # module calls (``chameleon_swap.engine.paused_hooks``; measured, two idle engines cost
+        # the CPU demo's checkpointed step 3.6%).
+        with paused_hooks([e for m, e in engines.items() if m != mode]):
             return _run(mode, engines, T)
 
     def _run(mode: str, engines: dict, T: int) -> torch.Tensor:

@@ -436,6 +436,12 @@ class Chameleon:
         return budget
 
 
+def paused_hooks(engines):
+    """A context manager: the global module hooks of ``engines`` (between their steps) out
+    meanwhile, for side-by-side comparisons in one process (``runtime.module_hooks.paused``)."""
+    return module_hooks.paused(engines)
+
+
 def _keep(b: int) -> str:
     return "keep"
 

@@ -34,7 +34,6 @@ from typing import Callable, Optional
 import torch
 
 from ..config import format_bytes
-from ..runtime import module_hooks
 from .harness import _sync
 from .records import median_interval, nan_max
 
@@ -78,7 +77,7 @@ def run_choice(device: torch.device, steps: int,
                advance: Callable[..., None] = lambda *a, **k: None, tiny: bool = False) -> dict:
     """Run the four legs for ``steps`` steps each; returns the summary the demo shows
     (``tiny``: the tests' model, seconds on a CPU)."""
-    from ..engine import Chameleon
+    from ..engine import Chameleon, paused_hooks
     size = SIZES["tiny" if tiny else "cuda" if device.type == "cuda" else "cpu"]
     base = _model(size, device)
     lengths = [size["lengths"][i % len(size["lengths"])] for i in range(steps)]
@@ -151,8 +150,8 @@ def run_choice(device: torch.device, steps: int,
             for leg in order:
                 m, eng = models[leg], engines.get(leg)
                 # Each leg as it would run alone: no other engine's idle hooks on its module
-                # calls (``module_hooks.paused``: two idle engines cost checkpointing's step 3.6%).
-                with module_hooks.paused([e for e in engines.values() if e is not eng]):
+                # calls (``engine.paused_hooks``: two idle engines cost checkpointing's step 3.6%).
+                with paused_hooks([e for e in engines.values() if e is not eng]):
                     _sync(device)
                     t0 = time.perf_counter()
                     if eng is None:

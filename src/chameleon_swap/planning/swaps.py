@@ -17,8 +17,8 @@ millisecond for 300 spans), so the search is greedy plus local improvement, not 
 4. Local improvement from each ranking's best prefix (only the best on large profiles): passes of
    single add / remove / swap moves, chosen from the ranking's boundary and from where the
    prediction stalls (late copies back: remove; waits in forward: add spans saved earlier).
-   A change is kept when it lowers the predicted total (ties: fewer moves where a move costs
-   the host, then fewer bytes moved).
+   A change is kept when it lowers the predicted total (ties: fewer moves where they cost the
+   host, then fewer bytes).
 5. Copies back: each is issued as late as it still arrives in time - a backward pass from the
    last use on the single FIFO H2D stream (``fetch_schedule``) - and the model defers one that
    finds no room, as the runtime does. When copies back still come late, the guard's way (every
@@ -51,28 +51,22 @@ LARGE_STARTS = 1             # prefix(es) only, and copy-back tuning is limited
 def plan(profile: Profile, budget: Optional[int], *, max_passes: int = DEFAULT_MAX_PASSES,
          max_evals: Optional[int] = None) -> Plan:
     """The plan with the least predicted total time found, ``predicted`` filled in.
-
-    ``max_passes`` bounds the local-improvement passes; ``max_evals`` the simulations, i.e. the
-    cost (default: ``DEFAULT_WORK // number of spans``, within [DEFAULT_MIN_EVALS,
-    DEFAULT_MAX_EVALS]: a simulation costs time in proportion to the spans).
-    """
+    ``max_passes`` bounds the local-improvement passes; ``max_evals`` the simulations (default
+    ``DEFAULT_WORK // spans`` within [DEFAULT_MIN_EVALS, DEFAULT_MAX_EVALS]: a simulation costs
+    time in proportion to the spans)."""
     if budget is None or unmoved_peak(profile) <= budget:
         return Plan(frozenset(), {}, budget, simulate(profile, Plan(frozenset()), budget))
     if max_evals is None:
         max_evals = min(DEFAULT_MAX_EVALS,
                         max(DEFAULT_MIN_EVALS, DEFAULT_WORK // max(1, len(profile.spans))))
-    if not profile.move_seconds:
-        return _Search(profile, budget, max_evals).run(max_passes)
     # A move's host cost prices the plan (the mode search compares mixes by it), not the search
-    # among swap sets: charged there, it traded planned copies for the guard's forced ones and
-    # for plans with no slack, which then needed the guard every step. It breaks ties, though:
-    # among sets predicted equally fast, the one with fewer moves costs the host less. Broken by
-    # bytes alone, the tie went to the set closest to the excess, made of the smallest tensors
-    # (the CPU demo's Llama at 128 tokens with two blocks kept: 23 moves, 581 bytes over the
-    # excess, priced 58.4 ms, where 4 of its 344 KiB tensors hid as well: 55.6 ms).
-    found = _Search(replace(profile, move_seconds=0.0), budget, max_evals,
-                    fewer_moves=True).run(max_passes)
-    return Plan(found.move, found.fetch_at, budget, simulate(profile, found, budget))
+    # (charged there, it traded planned copies for the guard's and for plans with no slack), but
+    # breaks its ties (by bytes, the CPU demo's Llama moved 23 small tensors: 58.4 ms priced,
+    # where 4 of 344 KiB hid as well: 55.6 ms).
+    priced = bool(profile.move_seconds)
+    found = _Search(replace(profile, move_seconds=0.0), budget, max_evals, priced).run(max_passes)
+    return Plan(found.move, found.fetch_at, budget, simulate(profile, found, budget)) if priced \
+        else found
 
 
 # ---------------------------------------------------------------------------- rankings
@@ -160,11 +154,8 @@ def _alap(profile: Profile, latest_first, margin_slots: int = 0) -> dict[int, in
 class _Search:
     def __init__(self, profile: Profile, budget: int, max_evals: int,
                  fewer_moves: bool = False) -> None:
-        self.pr = profile
-        self.fewer_moves = fewer_moves
-        self.budget = budget
-        self.max_evals = max(1, max_evals)
-        self.evals = 0
+        self.pr, self.fewer_moves, self.budget = profile, fewer_moves, budget
+        self.max_evals, self.evals = max(1, max_evals), 0
         self.nbytes = [sp.nbytes for sp in profile.spans]
         self.cache: dict[frozenset, tuple] = {}
         self.eager_too = len(profile.spans) <= LARGE
@@ -174,8 +165,7 @@ class _Search:
                                    reverse=True)
 
     # A plan's score: budget first, then predicted time (equal within 1e-10 of the step's
-    # compute), then the moves where each costs the host (``fewer_moves``, see ``plan``), then
-    # bytes moved (copies are not free: host memory bandwidth, pinned memory).
+    # compute), then moves where each costs the host (``plan``), then bytes (not free either).
     def key(self, pred: Prediction, move) -> tuple:
         return (not pred.budget_ok, round(pred.total_seconds / self.scale, 10),
                 len(move) if self.fewer_moves else 0, sum(self.nbytes[j] for j in move))
