@@ -39,6 +39,7 @@ import _common as C  # noqa: E402
 
 import chameleon_swap as cs  # noqa: E402
 from chameleon_swap.config import DEFAULT_MIN_TENSOR_BYTES  # noqa: E402
+from chameleon_swap.engine import paused_hooks  # noqa: E402
 from chameleon_swap.planning.swaps import plan as make_plan  # noqa: E402
 from chameleon_swap.planning.timeline import Plan, simulate  # noqa: E402
 from chameleon_swap.workloads import Llama, LlamaConfig, MoE, MoEConfig  # noqa: E402
@@ -111,7 +112,14 @@ def schedule(scenario: str, size: dict, steps: int, device: torch.device, vocab:
     return out
 
 
-def one_step(model, full_layers, item, eng):
+def one_step(model, full_layers, item, eng, others=()):
+    """One step on ``eng`` (None: no engine), the engines in ``others`` but ``eng`` with their
+    idle module hooks out meanwhile (``paused_hooks``: they slow every module call)."""
+    with paused_hooks([o for o in others if o is not eng]):
+        return _one_step(model, full_layers, item, eng)
+
+
+def _one_step(model, full_layers, item, eng):
     x, y, train, keep = item
     if keep is not None:
         model.layers = nn.ModuleList([full_layers[k] for k in keep])
@@ -156,7 +164,7 @@ def run_scenario(name: str, a, device: torch.device, advance) -> dict:
         for m in order:
             C.sync(device)
             t0 = C.now()
-            losses[m] = one_step(model, full, item, engines.get(m))
+            losses[m] = one_step(model, full, item, engines.get(m), engines.values())
             C.sync(device)
             times[m].append(C.now() - t0)
             if m in engines:
@@ -277,9 +285,11 @@ def profiling_cost(a, device: torch.device, reps: int = 12) -> dict:
         with torch.profiler.profile(activities=acts):
             one_step(model, full, item, None)
 
-    modes = {"none": lambda _: one_step(model, full, item, None), "torch.profiler": torch_prof,
-             "engine lightweight": lambda _: one_step(model, full, item, light),
-             "engine detailed": lambda _: one_step(model, full, item, detail)}
+    both = (light, detail)
+    modes = {"none": lambda _: one_step(model, full, item, None, both),
+             "torch.profiler": torch_prof,
+             "engine lightweight": lambda _: one_step(model, full, item, light, both),
+             "engine detailed": lambda _: one_step(model, full, item, detail, both)}
     times = {m: [] for m in modes}
     names = list(modes)
     for i in range(reps + 2):

@@ -44,6 +44,7 @@ import hybrid as H  # noqa: E402
 
 import chameleon_swap as cs  # noqa: E402
 from chameleon_swap.config import format_bytes, parse_size  # noqa: E402
+from chameleon_swap.engine import paused_hooks  # noqa: E402
 
 GPU_SCHEDULE = (16384, 8192, 12288, 16384, 4096, 12288, 16384)
 CPU_SCHEDULE = {"256x4": (512, 256, 384, 512, 128, 384, 512),
@@ -121,7 +122,8 @@ def main(argv=None) -> int:
         model.zero_grad(set_to_none=True)
         ctx = (eng.step() if mode == "capped" else H.checkpointed(model, selective=False)
                if mode == "full-recompute" else contextlib.nullcontext())
-        with ctx:
+        # The peers as they would run alone: the engine's idle module hooks out meanwhile.
+        with paused_hooks([] if mode == "capped" else [eng]), ctx:
             loss = loss_of(T)
             loss.backward()
         return loss.detach()

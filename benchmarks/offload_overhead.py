@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 import chameleon_swap as cs  # noqa: E402
+from chameleon_swap.engine import paused_hooks  # noqa: E402
 from chameleon_swap.workloads import Llama, LlamaConfig  # noqa: E402
 
 FRACTIONS = (1.0, 0.5, 0.2)
@@ -90,6 +91,11 @@ def main(argv=None) -> int:
     pin = device.type == "cuda"
 
     def run(mode: str) -> torch.Tensor:
+        # Each mode as it would run alone: the other engines' idle module hooks out meanwhile.
+        with paused_hooks([e for m, e in engines.items() if m != mode]):
+            return _run(mode)
+
+    def _run(mode: str) -> torch.Tensor:
         model.zero_grad(set_to_none=True)
         if mode == "none":
             loss = model(x, y)

@@ -46,7 +46,7 @@ import torch
 
 from ..config import parse_size
 from ..copy.host_pool import HostMemoryError
-from ..engine import Chameleon
+from ..engine import Chameleon, paused_hooks
 from ..workloads import get_workload
 from ..workloads.base import Batch, Workload
 from .baselines import ENGINE_BASELINES, Baseline, check_baselines, make_baseline
@@ -255,6 +255,14 @@ def _passes(runs_and_baselines, schedule, cfg, seed, workload, *, metered: bool,
     def one(run: Run, r: Runner, i: int, batch: Batch) -> None:
         if r.error:
             return
+        # Each baseline as it would run alone: no other baseline's engine's idle module hooks
+        # on its module calls (``engine.paused_hooks``).
+        others = [e for _, o in runners if o is not r
+                  for e in (getattr(o.baseline, "engine", None),) if e is not None]
+        with paused_hooks(others):
+            _one(run, r, i, batch)
+
+    def _one(run: Run, r: Runner, i: int, batch: Batch) -> None:
         try:
             if metered:
                 # The no-engine run also counts its saved activations, for the memory each
