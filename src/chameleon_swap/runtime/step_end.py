@@ -63,8 +63,7 @@ def finish_step(eng, t0: float, budget: Optional[int], failed: bool,
         profile.blocks = calls
         profile.extra["link"] = eng._copy.take_link()
         # (what the copy threads' own CPU added to the step's moves: ``move_seconds_each``)
-        take_cpu = getattr(eng._copy, "take_cpu", None)       # (a test's stand-in may lack it)
-        profile.extra["copy_cpu"] = take_cpu() if take_cpu is not None else 0.0
+        profile.extra["copy_cpu"] = eng._copy.take_cpu()
         # (time the host arena spent allocating during the step: ``policy.checks.pinned``)
         profile.extra["host_alloc_seconds"] = eng._pool.allocating_seconds(t0, time.perf_counter())
         changed = _sequence_changed(eng, profile.ids)
