@@ -67,6 +67,16 @@ def stepped(runner, fn):
         runner.end_step(False)
 
 
+def shared_first(first: type, seed: int) -> nn.Module:
+    """Layers ``first`` and ``Block``, the first calling a module the model holds (``shared``)."""
+    torch.manual_seed(seed)
+    shared = nn.Linear(8, 8)
+    model = nn.Module()
+    model.shared = shared
+    model.layers = nn.ModuleList([first(shared=shared), Block()])
+    return model
+
+
 def trained(m, x):
     """One forward and backward of ``m``'s layers on ``x`` (models without a forward of their
     own); the loss."""
@@ -221,11 +231,7 @@ class Sometimes(Block):
 def test_a_leaf_reached_first_at_a_new_shape_is_found_there():
     # A block's backward is walked once per shape of its inputs (and always once it reached a
     # leaf not its own): a shared module first called at a new length is found at that length.
-    torch.manual_seed(2)
-    shared = nn.Linear(8, 8)
-    model = nn.Module()
-    model.shared = shared
-    model.layers = nn.ModuleList([Sometimes(shared=shared), Block()])
+    model = shared_first(Sometimes, seed=2)
     ref = copy.deepcopy(model)
     runner = runner_for(model)
     found = []
@@ -255,11 +261,7 @@ def test_a_module_called_first_on_a_shape_already_walked_is_found_by_the_probe(e
     # No walk at the second step (its shape was walked at the first): the shared module it calls
     # there for the first time is seen calling, and its gradients are all there.
     import chameleon_swap as cs
-    torch.manual_seed(6)
-    shared = nn.Linear(8, 8)
-    model = nn.Module()
-    model.shared = shared
-    model.layers = nn.ModuleList([OnValues(shared=shared), Block()])
+    model = shared_first(OnValues, seed=6)
     ref = copy.deepcopy(model)
     xs = [-randn(2, 5, 8, seed=1).abs(), randn(2, 5, 8, seed=2).abs(), randn(2, 5, 8, seed=3)]
     if engine:
