@@ -23,14 +23,18 @@
 # The limits (seconds) can be changed: HYBRID_S, DEMO_S, TESTS_S, CSAN_S, CAPPED_S. PARTS names
 # the parts to run (default "hybrid demo tests"; add csan or capped where time is left). CSAN=1
 # runs every CUDA test under the sanitizer: on an H200 that ran two tests in 150 s, too slow for a
-# lease, hence part 5. The default limits of the default parts sum to 550 s (the -m cuda tests
-# took 123 s on an H100), under a lease's ten minutes a command; the whole run took 517 s there.
+# lease, hence part 5. The default limits of the default parts sum to 580 s (the -m cuda tests
+# took 123 s on an H100 before the recompute tests were added), under a lease's ten minutes a
+# command; the whole run took 517 s there.
 set -u
 OUT=${OUT:-out/device}
-WORK=$(mktemp -d)              # the raw results, tarred into $OUT at the end
+WORK=$(mktemp -d)              # the raw results, tarred into $OUT after each part
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 stamp() { echo "== $(date -u +%H:%M:%S) $*"; }
+# results.tgz is written again after each part, so a lease that ends mid-run (the command killed at
+# its limit) still brings back the results of the parts that finished.
+pack() { tar czf "$OUT/results.tgz" -C "$WORK" . 2>/dev/null; }
 
 {
     stamp "info"
@@ -48,6 +52,7 @@ stamp "hybrid" >"$OUT/hybrid.log"
 timeout "${HYBRID_S:-300}" python3 benchmarks/hybrid.py --device cuda --config 4096x8 \
     --fractions "${HYBRID_FRACTIONS:-0.25,0.5,0.75}" --out "$WORK/hybrid" >>"$OUT/hybrid.log" 2>&1
 echo "exit $?" >>"$OUT/hybrid.log"
+pack
 fi
 
 if want demo; then
@@ -55,14 +60,16 @@ stamp "demo" >"$OUT/demo.log"
 timeout "${DEMO_S:-110}" python3 -m chameleon_swap demo --device cuda --steps 20 \
     --out "$WORK/demo" >>"$OUT/demo.log" 2>&1
 echo "exit $?" >>"$OUT/demo.log"
+pack
 fi
 
 if want tests; then
 stamp "tests" >"$OUT/tests.log"
 if [ "${CSAN:-0}" = 1 ]; then export TORCH_CUDA_SANITIZER=1; fi
-timeout "${TESTS_S:-140}" python3 -m pytest -p no:cacheprovider -rf -v --durations=10 \
+timeout "${TESTS_S:-170}" python3 -m pytest -p no:cacheprovider -rf -v --durations=10 \
     -m cuda -k "not sanitizer" tests >>"$OUT/tests.log" 2>&1
 echo "exit $?" >>"$OUT/tests.log"
+pack
 unset TORCH_CUDA_SANITIZER
 fi
 
@@ -71,6 +78,7 @@ stamp "csan" >"$OUT/csan.log"
 timeout "${CSAN_S:-110}" python3 -m pytest -p no:cacheprovider -rf -v tests/test_cuda.py \
     -k "sanitizer" >>"$OUT/csan.log" 2>&1
 echo "exit $?" >>"$OUT/csan.log"
+pack
 fi
 
 if want capped; then
@@ -78,7 +86,7 @@ stamp "capped" >"$OUT/capped.log"
 timeout "${CAPPED_S:-150}" python3 benchmarks/capped.py --device cuda --out "$WORK/capped" \
     >>"$OUT/capped.log" 2>&1
 echo "exit $?" >>"$OUT/capped.log"
+pack
 fi
 
-tar czf "$OUT/results.tgz" -C "$WORK" . 2>/dev/null
 stamp "done"

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn as nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import chameleon_swap as cs
@@ -530,6 +531,126 @@ def test_stall_seconds_with_late_copies(math_attention):
     check_stats(history, budget)
     assert all(s.prefetched_bytes + s.fetched_bytes > 0 for s in history)
     assert all(isinstance(s.stall_seconds, float) for s in history)
+
+
+# --------------------------------------------------------------------------- keep, swap or recompute
+# With ``model=`` the engine recomputes blocks as well as swapping them (recompute/full.py, torch's
+# selective checkpointing). On a GPU that adds what a CPU cannot show: the CUDA generator's state
+# put back for a recompute, autocast's casts made again on the device, the planner process beside
+# a CUDA context. A link named 10 MB/s makes copies look hopeless, so the planned steps recompute.
+SLOW_LINK = "10MB/s"
+
+
+class DropBlock(nn.Module):
+    """Dropout between two projections: a recompute that did not put the CUDA generator back
+    would draw another mask, and its gradients would differ from the plain step's."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.drop = nn.Dropout(0.25)
+
+    def forward(self, x):
+        return x + self.down(self.drop(torch.nn.functional.gelu(self.up(self.norm(x)))))
+
+
+class DropNet(nn.Module):
+    def __init__(self, dim: int = 64, n: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(DropBlock(dim) for _ in range(n))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.2, 0.05])
+@pytest.mark.parametrize("name", ["llama", "moe"])
+def test_bitwise_with_recompute(name, fraction):
+    make = {"llama": lambda: llama({**TINY, "n_layers": 3}), "moe": moe}[name]
+    model = make()
+    batches = lm_batches(model, [24, 24, 16, 24, 24])
+    # Plans made on the step's thread, so that the later steps of 24 run them.
+    history, _, budget = compare(model, batches, fraction, device=DEV, model_kwarg=True,
+                                 link_bandwidth=SLOW_LINK, plan_in_background=False)
+    check_stats(history, budget)
+    if name == "llama" and fraction == 0.5:   # as on the CPU (tests/policy/test_block_modes.py)
+        assert any(s.recomputed_bytes > 0 and s.block_modes[0] < 3 for s in history), history[-1]
+
+
+def test_a_recomputed_dropout_draws_the_same_mask():
+    model = DropNet().to(DEV)
+    ref = copy.deepcopy(model)
+    xs = [randn(4, 64, 64, seed=i).to(DEV) for i in range(5)]
+    budget = int(natural_peak(model, (xs[0],), device=DEV) * 0.3)
+    with engine(budget, model=model, link_bandwidth=SLOW_LINK, plan_in_background=False) as eng:
+        for i, x in enumerate(xs):
+            model.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+            torch.manual_seed(100 + i)               # the same dropout masks in both runs
+            l_ref = train_step(ref, (x,))
+            after_ref = torch.cuda.get_rng_state()
+            torch.manual_seed(100 + i)
+            loss = train_step(model, (x,), eng)
+            assert_bitwise(l_ref, grads(ref), loss, grads(model))
+            # The generator ends where the plain step left it: the recompute's draws are
+            # replays, not new ones.
+            assert torch.equal(torch.cuda.get_rng_state(), after_ref)
+        history = list(eng.history)
+    check_stats(history, budget)
+    assert any(s.recomputed_bytes > 0 for s in history), history[-1]
+
+
+def test_hugging_face_llama_in_bf16_with_the_planner_process():
+    transformers = pytest.importorskip("transformers")
+    if not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bf16")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                   use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(DEV)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(128, (2, T), generator=g).to(DEV) for T in [64, 96, 64, 64, 96, 64]]
+
+    def loss_fn(m, ids):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return m(input_ids=ids, labels=ids).loss
+
+    # The default: mode plans made in a planner process while the steps run.
+    history, _, budget = compare(model, batches, 0.25, loss_fn=loss_fn, device=DEV,
+                                 model_kwarg=True, link_bandwidth=SLOW_LINK)
+    check_stats(history, budget)
+    assert all(sum(s.block_modes) == 4 for s in history)      # LlamaDecoderLayer x 4
+
+
+def test_recompute_adds_no_host_synchronisation():
+    """The recompute path (the generator's state, the block's parameters, the replay) adds no
+    host synchronisation to the plain step's either."""
+    model = llama({**TINY, "n_layers": 3})
+    batch = lm_batches(model, [24])[0]
+    budget = int(natural_peak(model, batch, device=DEV) * 0.5)
+    ref, test = copy.deepcopy(model), copy.deepcopy(model)
+    train_step(copy.deepcopy(model), batch)                  # warm-up: lazy inits, workspaces
+    n_ref = _sync_warnings(lambda: train_step(ref, batch))
+    out = []
+    with engine(budget, model=test, link_bandwidth=SLOW_LINK, plan_in_background=False) as eng:
+        for _ in range(3):                                   # planned from the second step on
+            train_step(test, batch, eng)
+        assert eng.last_step.recomputed_bytes > 0, eng.last_step
+        test.zero_grad(set_to_none=True)
+        with eng.step():
+            def run():
+                loss = test(*batch)
+                loss.backward()
+                out.append(loss.detach())
+            n_eng = _sync_warnings(run)
+        check_stats([eng.last_step], budget)
+        assert eng.last_step.recomputed_bytes > 0, eng.last_step
+    assert n_eng <= n_ref, f"the engine added {n_eng - n_ref} synchronising operations"
+    assert_bitwise(train_step(copy.deepcopy(model), batch), grads(ref), out[0], grads(test))
 
 
 # --------------------------------------------------------------------------- the CUDA sanitizer
