@@ -576,8 +576,9 @@ def test_bitwise_with_recompute(name, fraction):
     history, _, budget = compare(model, batches, fraction, device=DEV, model_kwarg=True,
                                  link_bandwidth=SLOW_LINK, plan_in_background=False)
     check_stats(history, budget)
-    if name == "llama" and fraction == 0.5:   # as on the CPU (tests/policy/test_block_modes.py)
-        assert any(s.recomputed_bytes > 0 and s.block_modes[0] < 3 for s in history), history[-1]
+    # Which mix runs is the planner's call on the device's own times, so this asserts none: on an
+    # H100 (2026-11-26) these launch-bound steps (32 ms) kept every block and swapped at 50%, where
+    # the CPU recomputes. The two tests below assert that they recompute, and passed there.
 
 
 def test_a_recomputed_dropout_draws_the_same_mask():
