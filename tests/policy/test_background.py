@@ -11,7 +11,7 @@ import pytest
 import chameleon_swap as cs
 from chameleon_swap.planning.jobs import plan_size
 from chameleon_swap.planning.timeline import unmoved_peak
-from chameleon_swap.policy import background
+from chameleon_swap.policy import background, size_plans
 from chameleon_swap.policy.background import Worker
 from chameleon_swap.policy.mix_runs import until_warm
 
@@ -183,6 +183,35 @@ def test_where_the_planner_process_dies_the_plan_is_made_here():
         for b in batches:                # and the steps go on, planned here
             train_step(model, b, eng)
         assert not modes.jobs and eng.last_step.peak_resident_bytes <= budget
+
+
+def test_a_plan_the_process_keeps_waiting_is_made_here_after_the_deadline(monkeypatch):
+    # A planner process starved of a core: its answers never come. The size runs what it ran
+    # until the deadline, then the plan is made on the step's thread from the same inputs, the
+    # process's ticket is dropped, and the steps go on within budget (the real clock). The
+    # deadline is in steps and in seconds both: a tiny model's fast steps alone do not reach it.
+    with _trained([96, 160, 96]) as (eng, modes, key, model, batches, budget):
+        monkeypatch.setattr(modes.worker, "ready", lambda ticket: False)
+        before = modes.plans[key]
+        modes._make(key)
+        job = modes.jobs[key]
+        for _ in range(size_plans.DEADLINE_STEPS + 2):      # (well within DEADLINE_SECONDS)
+            modes.collect()
+            assert modes.jobs.get(key) is job and modes.plans[key] is before
+        monkeypatch.setattr(size_plans, "DEADLINE_SECONDS", 0.0)
+        spent = modes.planning_seconds
+        modes.collect()                                     # the deadline: made here
+        assert key not in modes.jobs and modes.planning_seconds > spent
+        assert modes.plans[key].hybrid == until_warm(plan_size(*job.args), job.trusted)
+        monkeypatch.undo()                                  # the process answers again
+        # The process answers in order: once a later job's answer is in, the late one's came
+        # and was thrown away (dropped), never to land.
+        w = modes.worker
+        assert w.result(w.submit("plan_size", *job.args))[1]
+        assert job.ticket not in w._shared.done and job.ticket not in w._shared.dropped
+        for b in batches:
+            train_step(model, b, eng)
+            assert eng.last_step.peak_resident_bytes <= budget
 
 
 def test_plan_in_background_is_checked():

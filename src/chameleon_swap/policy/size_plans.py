@@ -8,7 +8,10 @@ and the step's thread never waits for the search (on the project's CPU demo 40-1
 12-14% of the engine's time). Without one (``plan_in_background=False``, or where the process
 cannot run) it is made at once, and used from the next step on. A size has at most one plan
 being made: meanwhile its steps plan nothing, a replan asked of it is put off (``stale``) until
-it lands, and only a thaw (``_thaw``), whose figures are newer, replaces it.
+it lands, and only a thaw (``_thaw``), whose figures are newer, replaces it. A plan still
+not made after ``DEADLINE_STEPS`` steps and ``DEADLINE_SECONDS`` (the process starved of a core
+on a loaded machine) is made on the step's thread from the same inputs, and the process's answer
+is dropped.
 
 The time a plan takes (the search's own, in either process) is charged to the planning share
 as before (``may_replan``), so the two ways plan alike; only where the time is spent differs.
@@ -25,6 +28,14 @@ from ..planning.jobs import plan_size
 from . import keep_views
 from .keep_views import scaled
 from .mix_runs import ModePlan, no_host_room, no_mix_fits, until_warm
+
+# How long a plan may wait on the planner process: both, so that a tiny model's millisecond steps
+# do not cut short a plan that is on time. On the project's CPU a plan lands within a step or two
+# (3-95 ms a job; 64-block plans 0.7-1.0 s); a process starved of a core (10 steps nicer than its
+# parent, with torch's threads busy) left a size on the nearest size's plan past the end of a
+# 3-step test.
+DEADLINE_STEPS = 6
+DEADLINE_SECONDS = 2.0
 
 
 @dataclass
@@ -43,19 +54,29 @@ class Job:
     free: bool = False          # a thaw's (not charged to the share)
     after: Optional[tuple] = None    # a replan's (repeats, old plan, visits) (``_replanned``)
     ticket: Optional[int] = None
+    waited: int = 0             # steps begun while it was being made
+    handed: float = 0.0         # when it went to the process (``time.perf_counter``)
 
 
 class SizePlans:
     worker = None               # background.Worker, where plans are made in another process
 
     def collect(self, wait: bool = False) -> None:
-        """Land the plans the planner process has made (``wait``: all of them, waiting)."""
+        """Land the plans the planner process has made (``wait``: all of them, waiting), and
+        make here those it has kept waiting ``DEADLINE_STEPS`` steps (called as a step begins)."""
         for key, job in list(self.jobs.items()):
-            if not (wait or self.worker.ready(job.ticket)):
+            late = (not wait and job.waited >= DEADLINE_STEPS
+                    and time.perf_counter() - job.handed >= DEADLINE_SECONDS)
+            if not (wait or late or self.worker.ready(job.ticket)):
+                job.waited += 1
                 continue
             del self.jobs[key]
-            seconds, ok, hp = self.worker.result(job.ticket)
-            if not ok:          # (the process failed: this plan, and all later, made here)
+            if late and not self.worker.ready(job.ticket):
+                self.worker.drop(job.ticket)
+                seconds, ok = 0.0, False
+            else:
+                seconds, ok, hp = self.worker.result(job.ticket)
+            if not ok:          # (the process failed or is late: this plan made here)
                 t0 = time.perf_counter()
                 hp = plan_size(*job.args)
                 seconds = time.perf_counter() - t0
@@ -80,6 +101,7 @@ class SizePlans:
                 if old is not None:
                     self.worker.drop(old.ticket)
                 job.ticket, job.free, job.after = ticket, free, after
+                job.handed = time.perf_counter()
                 job.seconds = time.perf_counter() - t0
                 self.jobs[key] = job
                 return
