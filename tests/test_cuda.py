@@ -509,17 +509,24 @@ def test_engine_adds_no_host_synchronisation(name, fraction):
     ref, test = copy.deepcopy(model), copy.deepcopy(model)
     train_step(copy.deepcopy(model), batch)                  # warm-up: lazy inits, workspaces
     n_ref = _sync_warnings(lambda: train_step(ref, batch))
-    out = []
     with engine(budget) as eng:
-        with eng.step():
-            def run():
-                loss = test(*batch)
-                loss.backward()
-                out.append(loss.detach())
-            n_eng = _sync_warnings(run)
+        n_eng, loss = _step_sync_warnings(eng, test, batch)
         check_stats([eng.last_step], budget)
     assert n_eng <= n_ref, f"the engine added {n_eng - n_ref} synchronising operations"
-    assert_bitwise(train_step(copy.deepcopy(model), batch), grads(ref), out[0], grads(test))
+    assert_bitwise(train_step(copy.deepcopy(model), batch), grads(ref), loss, grads(test))
+
+
+def _step_sync_warnings(eng, model, batch) -> tuple:
+    """The synchronising operations flagged in one step of ``eng`` training ``model`` on
+    ``batch``, and the step's loss."""
+    out = []
+    with eng.step():
+        def run():
+            loss = model(*batch)
+            loss.backward()
+            out.append(loss.detach())
+        n = _sync_warnings(run)
+    return n, out[0]
 
 
 def test_stall_seconds_with_late_copies(math_attention):
@@ -533,11 +540,11 @@ def test_stall_seconds_with_late_copies(math_attention):
     assert all(isinstance(s.stall_seconds, float) for s in history)
 
 
-# --------------------------------------------------------------------------- keep, swap or recompute
+# ----------------------------------------------------------------- keep, swap or recompute
 # With ``model=`` the engine recomputes blocks as well as swapping them (recompute/full.py, torch's
 # selective checkpointing). On a GPU that adds what a CPU cannot show: the CUDA generator's state
 # put back for a recompute, autocast's casts made again on the device, the planner process beside
-# a CUDA context. A link named 10 MB/s makes copies look hopeless, so the planned steps recompute.
+# a CUDA context. A link named 10 MB/s makes copies look slow, so planned steps tend to recompute.
 SLOW_LINK = "10MB/s"
 
 
@@ -547,7 +554,8 @@ class DropBlock(nn.Module):
 
     def __init__(self, dim: int) -> None:
         super().__init__()
-        self.norm, self.up, self.down = nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
         self.drop = nn.Dropout(0.25)
 
     def forward(self, x):
@@ -578,7 +586,8 @@ def test_bitwise_with_recompute(name, fraction):
     check_stats(history, budget)
     # Which mix runs is the planner's call on the device's own times, so this asserts none: on an
     # H100 (2026-11-26) these launch-bound steps (32 ms) kept every block and swapped at 50%, where
-    # the CPU recomputes. The two tests below assert that they recompute, and passed there.
+    # the CPU recomputes. Two tests below (the dropout's, the synchronisation's) assert that
+    # their steps recompute, and passed there.
 
 
 def test_a_recomputed_dropout_draws_the_same_mask():
@@ -636,22 +645,16 @@ def test_recompute_adds_no_host_synchronisation():
     ref, test = copy.deepcopy(model), copy.deepcopy(model)
     train_step(copy.deepcopy(model), batch)                  # warm-up: lazy inits, workspaces
     n_ref = _sync_warnings(lambda: train_step(ref, batch))
-    out = []
     with engine(budget, model=test, link_bandwidth=SLOW_LINK, plan_in_background=False) as eng:
         for _ in range(3):                                   # planned from the second step on
             train_step(test, batch, eng)
         assert eng.last_step.recomputed_bytes > 0, eng.last_step
         test.zero_grad(set_to_none=True)
-        with eng.step():
-            def run():
-                loss = test(*batch)
-                loss.backward()
-                out.append(loss.detach())
-            n_eng = _sync_warnings(run)
+        n_eng, loss = _step_sync_warnings(eng, test, batch)
         check_stats([eng.last_step], budget)
         assert eng.last_step.recomputed_bytes > 0, eng.last_step
     assert n_eng <= n_ref, f"the engine added {n_eng - n_ref} synchronising operations"
-    assert_bitwise(train_step(copy.deepcopy(model), batch), grads(ref), out[0], grads(test))
+    assert_bitwise(train_step(copy.deepcopy(model), batch), grads(ref), loss, grads(test))
 
 
 # --------------------------------------------------------------------------- the CUDA sanitizer

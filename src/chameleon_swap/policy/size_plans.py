@@ -63,7 +63,8 @@ class SizePlans:
 
     def collect(self, wait: bool = False) -> None:
         """Land the plans the planner process has made (``wait``: all of them, waiting), and
-        make here those it has kept waiting ``DEADLINE_STEPS`` steps (called as a step begins)."""
+        make here those it has kept waiting ``DEADLINE_STEPS`` steps and ``DEADLINE_SECONDS``
+        (called as a step begins)."""
         for key, job in list(self.jobs.items()):
             late = (not wait and job.waited >= DEADLINE_STEPS
                     and time.perf_counter() - job.handed >= DEADLINE_SECONDS)
