@@ -64,7 +64,8 @@ def plan(profile: Profile, budget: Optional[int], *, max_passes: int = DEFAULT_M
     # breaks its ties (by bytes, the CPU demo's Llama moved 23 small tensors: 58.4 ms priced,
     # where 4 of 344 KiB hid as well: 55.6 ms).
     priced = bool(profile.move_seconds)
-    found = _Search(replace(profile, move_seconds=0.0), budget, max_evals, priced).run(max_passes)
+    search = replace(profile, move_seconds=0.0) if priced else profile
+    found = _Search(search, budget, max_evals, priced).run(max_passes)
     return Plan(found.move, found.fetch_at, budget, simulate(profile, found, budget)) if priced \
         else found
 

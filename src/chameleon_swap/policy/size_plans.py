@@ -103,7 +103,7 @@ class SizePlans:
                     self.worker.drop(old.ticket)
                 job.ticket, job.free, job.after = ticket, free, after
                 job.handed = time.perf_counter()
-                job.seconds = time.perf_counter() - t0
+                job.seconds = job.handed - t0
                 self.jobs[key] = job
                 return
         try:
