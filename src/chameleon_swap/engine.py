@@ -170,7 +170,7 @@ class Chameleon:
         self._profiler = Profiler(self.device)
         self._profiler.saves_only = self._resident_only
         self._ex.profiler = self._profiler
-        self._copy.stall_slot = self._profiler.current_slot   # waits kept apart from compute
+        self._copy.stall_slot = self._profiler.wait_slot      # waits kept apart from compute
         if self.device.type == "cpu":
             self._copy.clock = self._profiler.clock.mark          # ... on the profiler's clock
         self._policy = make_policy(self.config.policy, self._ex,
@@ -285,7 +285,8 @@ class Chameleon:
         # engine never closed can still be collected (its blocks then run keep).
         ref = weakref.WeakMethod(self._block_mode)
         runner = BlockRunner(model, blocks, mode_fn=lambda b: (ref() or _keep)(b),
-                             accountant=self._ex, clock=self._profiler.clock)
+                             accountant=self._ex, clock=self._profiler.clock,
+                             apart_fn=self._profiler.apart_mark)
         runner.working_set_fn = policy.working_set
         policy.modes.eligible = list(runner.eligible)
         policy.modes.selective_safe = runner.selective_safe

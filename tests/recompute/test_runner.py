@@ -639,3 +639,30 @@ def test_a_block_selective_checkpointing_would_fail_runs_full_once_its_kept_run_
     assert [c.mode for c in calls[0]] == ["keep"] * 3
     for step in calls[1:]:
         assert [c.mode for c in step] == ["full", "full", "selective"]
+
+
+def test_a_recompute_is_timed_without_the_waits_and_moves_inside_it():
+    # The step's time apart from compute (the profiler's ``apart_mark``: waits counted, moves'
+    # seconds) is read around each recompute; ``end_step`` takes what fell between out. Block 2
+    # waits twice while it recomputes (0.25 s and 0.5 s; a wait of 4 s before it, outside) and
+    # moves a tensor for 0.125 s: 1.5 s on the clock, 0.625 s of compute.
+    model, x = MlpModel(), randn(2, 5, 8)
+    state = {"waits": 0, "moves": 0.0}
+    runner = BlockRunner(model, mode_fn=lambda b: "full", accountant=Accountant(),
+                         clock=StepClock(),
+                         apart_fn=lambda: (state["waits"], state["moves"]))
+
+    def inside(m, a, o):
+        if runner.recomputing and m is model.layers[2].fc1:
+            state["waits"] += 2
+            state["moves"] += 0.125
+    for b in model.layers:
+        b.fc1.register_forward_hook(inside)
+    with runner:
+        runner.begin_step(True)
+        state["waits"] += 1                       # a wait before any recompute
+        model(x).backward()
+        calls = runner.end_step(False, waits=[4.0, 0.25, 0.5])
+    rec = {c.block: c.recompute_seconds for c in calls}
+    assert rec[2] == 1.5 - 0.25 - 0.5 - 0.125
+    assert rec[1] == rec[0] == 1.5                # nothing apart inside theirs

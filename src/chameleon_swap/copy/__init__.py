@@ -37,8 +37,10 @@ CUDA and ordering bugs show in the CPU tests:
 ``take_stalls() -> [(slot, seconds)]``, ``take_stall_seconds()``
     at step end: each wait of the step (``wait`` that found its copy late, ``wait_host``,
     ``host_block``) with the
-    slot it fell in, as the engine's ``stall_slot()`` callable said when it happened; the profiler
-    keeps those seconds apart from the slot's compute (a stalled step must plan like a clean one).
+    slot it fell in, as the engine's ``stall_slot()`` callable said when it happened (called
+    exactly once per wait, in the order of the list: the profiler counts waits by it); the
+    profiler keeps those seconds apart from the slot's compute (a stalled step must plan like a
+    clean one), and the recompute runner apart from its recomputes' times.
 
 May import: ``config`` only. It moves bytes and knows nothing of tensors' meaning.
 Imported by: ``runtime/`` (the executor), ``engine.py``, ``parallel/`` and the tools.

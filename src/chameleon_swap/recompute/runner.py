@@ -43,7 +43,7 @@ import functools
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -129,6 +129,10 @@ class BlockRunner:
             clocks); None: ``time.perf_counter``.
         index_fn: ``() -> int``, the accountant's next record index; None reads
             ``accountant.next_index``.
+        apart_fn: ``() -> (waits, seconds)``, where the step's time apart from compute stands
+            (the profiler's ``apart_mark``): read around each recompute, the waits between the
+            two reads (their seconds given to ``end_step``) and the seconds between them are
+            taken out of the recompute's time. None: nothing taken out.
 
     ``working_set_fn(block_index) -> int`` (None: 0) gives the bytes to hold while a block's
     recompute and backward run; the hold starts with the recompute and ends when the gradient of
@@ -137,7 +141,8 @@ class BlockRunner:
     """
 
     def __init__(self, model: nn.Module, blocks=None, *, mode_fn: Callable[[int], str],
-                 accountant, clock=None, index_fn: Optional[Callable[[], int]] = None) -> None:
+                 accountant, clock=None, index_fn: Optional[Callable[[], int]] = None,
+                 apart_fn: Optional[Callable[[], tuple]] = None) -> None:
         self.blocks = find_blocks(model, blocks)
         if not callable(mode_fn):
             raise TypeError(f"mode_fn must be a callable block_index -> one of {MODES}; "
@@ -160,6 +165,7 @@ class BlockRunner:
         self.input_bytes = 0                # the running call's input bytes (set before mode_fn)
         self._hold, self._release, self._index = accountant.hold, release, index_fn
         self.clock = clock if clock is not None else _CpuClock()
+        self.apart_fn = apart_fn
         names = {id(m): n for n, m in model.named_modules()}
         # Modules on the path from the model to each block: a gradient_checkpointing flag there
         # (older transformers set it on the decoder, not on its layers) checkpoints the block too.
@@ -201,7 +207,7 @@ class BlockRunner:
         self._calls: list[BlockCall] = []
         self._live: list[_Live] = []
         self._open_ws: list[_Live] = []
-        self._timed: list[tuple] = []                # (call, "forward"|"recompute", start, end)
+        self._timed: list[tuple] = []                # (call, "forward"|"recompute", start, end, apart)
         self._cache_was: Optional[bool] = None       # use_cache turned off for this step
 
     @property
@@ -290,9 +296,12 @@ class BlockRunner:
         self._refresh_eligible()     # the user may have turned gradient checkpointing on or off
         self._calls, self._timed = [], []
 
-    def end_step(self, failed: bool) -> list[BlockCall]:
+    def end_step(self, failed: bool, waits: Sequence[float] = ()) -> list[BlockCall]:
         """What ran this step. Releases every hold of this step still outstanding. Timings are
-        read from the clock here (on CUDA, after the caller synchronized); none after a failure."""
+        read from the clock here (on CUDA, after the caller synchronized); none after a failure.
+        ``waits``: the seconds of each of the step's waits for copies, in the order ``apart_fn``
+        counted them; a recompute's time is without those that fell inside it, and without the
+        moves' seconds inside it."""
         self._active = False
         if self._cache_was is not None:
             self.model.config.use_cache, self._cache_was = self._cache_was, None
@@ -301,13 +310,16 @@ class BlockRunner:
         self._live, self._open_ws = [], []
         timed, self._timed = self._timed, []
         if not failed and timed:
-            secs = self.clock.seconds([m for t in timed for m in t[2:]])
-            for k, (call, what, _, _) in enumerate(timed):
+            secs = self.clock.seconds([m for t in timed for m in t[2:4]])
+            for k, (call, what, _, _, apart) in enumerate(timed):
                 d = secs[2 * k + 1] - secs[2 * k]
                 if what == "forward":
                     call.forward_seconds = d
-                else:
-                    call.recompute_seconds = (call.recompute_seconds or 0.0) + d
+                    continue
+                if apart is not None:       # ((waits, moves) at its start, ... at its end)
+                    (w0, m0), (w1, m1) = apart
+                    d = max(0.0, d - sum(waits[w0:w1]) - (m1 - m0))
+                call.recompute_seconds = (call.recompute_seconds or 0.0) + d
         calls, self._calls = self._calls, []
         return calls
 
@@ -347,7 +359,7 @@ class BlockRunner:
             self._depth -= 1
             call.end_record = self._index()
         if start is not None:
-            self._timed.append((call, "forward", start, self.clock.mark()))
+            self._timed.append((call, "forward", start, self.clock.mark(), None))
         return out
 
     def _probed(self, i: int, fn, args, kwargs):
@@ -432,7 +444,7 @@ class BlockRunner:
                 live.call.selective_bytes += n
 
     # ------------------------------------------------------------------ recompute and holds
-    def _recompute_begins(self, live: _Live) -> Optional[object]:
+    def _recompute_begins(self, live: _Live) -> tuple:
         for other in self._open_ws:
             self._release_ws(other)
         self._open_ws = []
@@ -453,10 +465,13 @@ class BlockRunner:
                 live.ws_token = self._hold(rest)
             live.call.recomputed_bytes = n
             self._open_ws.append(live)
-        return self.clock.mark()
+        return self.clock.mark(), self.apart_fn() if self.apart_fn is not None else None
 
-    def _recompute_ends(self, live: _Live, start) -> None:
-        self._timed.append((live.call, "recompute", start, self.clock.mark()))
+    def _recompute_ends(self, live: _Live, start: tuple) -> None:
+        mark, apart = start
+        end = self.apart_fn() if apart is not None else None
+        self._timed.append((live.call, "recompute", mark, self.clock.mark(),
+                            None if end is None else (apart, end)))
 
     def _release_ws(self, live: _Live) -> None:
         """The block's backward is done: its working set and kept outputs are gone."""

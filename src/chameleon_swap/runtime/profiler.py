@@ -160,6 +160,7 @@ class Profiler:
         self._prev_raw: Optional[list] = None
         self._prev_out: tuple = ()
         self._shapes: dict[str, tuple] = {}    # signature -> compute shares per slot, as timed
+        self._waits_seen = 0                   # ``wait_slot`` calls since the last ``finish``
         self._reset()
 
     def _reset(self) -> None:
@@ -176,6 +177,7 @@ class Profiler:
         self._t0 = 0.0
         self.raw: list = []
         self._moves: list[tuple[int, float]] = []   # (slot, host seconds) per timed move
+        self._move_seconds = 0.0                    # their sum so far
         self._moved = 0
 
     # ------------------------------------------------------------------ step boundaries
@@ -190,6 +192,20 @@ class Profiler:
         """The slot the step is in now (as ``finish`` will count slots)."""
         return len(self.nbytes) + len(self.used)
 
+    def wait_slot(self) -> int:
+        """The copy engine's ``stall_slot``: called once per wait, as the wait is counted (the
+        ``k``-th call since the last ``finish`` is the ``k``-th of the stalls given to it)."""
+        self._waits_seen += 1
+        return len(self.nbytes) + len(self.used)
+
+    def apart_mark(self) -> tuple[int, float]:
+        """Where the step's time apart from compute stands now: (waits counted so far, host
+        seconds of moves so far where ``finish`` takes moves out of compute, else 0.0). The
+        recompute runner reads it around each recompute, whose time it then takes the waits and
+        moves between the two out of (``BlockRunner.end_step``), as ``finish`` does for slots:
+        a recompute that waited for its block's input to come back is not slower compute."""
+        return self._waits_seen, (self._move_seconds if self._clock.host else 0.0)
+
     def finish(self, step_seconds: float, stalls=()) -> StepProfile:
         """The step's profile. ``stalls``: its waits for copies, (slot, seconds) each (the copy
         engine's ``take_stalls()``); they are kept apart from the compute of their slots."""
@@ -202,6 +218,7 @@ class Profiler:
         n_slots = n + 1 + n_used
         use_slot = [n + 1 + rank[i] if i in rank else n_slots for i in range(n)]
         waits = _per_slot_sum(stalls, n_slots)
+        self._waits_seen = 0                   # (the stalls given are those counted)
         moves = _per_slot_sum(self._moves, n_slots)
         apart = self._clock.host
         # On the host's clock a slot's time holds the host's moves: taken out like the waits.
@@ -334,6 +351,7 @@ class Profiler:
         """The executor spent ``seconds`` of host time moving a tensor (``new``: it issued the
         tensor's copy out, so one more tensor moved this step)."""
         self._moves.append((len(self.nbytes) + len(self.used), seconds))
+        self._move_seconds += seconds
         self._moved += new
 
     def on_hold(self, held_bytes: int) -> None:

@@ -54,11 +54,13 @@ def finish_step(eng, t0: float, budget: Optional[int], failed: bool,
             sync_device(eng.device)
         if eng.device.type == "cuda" and eng._memory is not None:
             memory = _end_memory_step(eng, counters, failed, oom)
-        calls = eng._runner.end_step(failed) if eng._runner is not None else []
         host_seconds = time.perf_counter() - t0
         # Synchronized, the wall time is the step's own; else it comes from events, a step late.
         step_seconds = None if eng._timer.lagging else host_seconds
         stalls = eng._copy.take_stalls()
+        # (the recomputes' times are without the waits inside them: given before they are read)
+        calls = (eng._runner.end_step(failed, [s for _, s in stalls])
+                 if eng._runner is not None else [])
         profile = eng._profiler.finish(host_seconds, stalls)
         profile.blocks = calls
         profile.extra["link"] = eng._copy.take_link()
