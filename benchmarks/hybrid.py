@@ -230,6 +230,7 @@ def main(argv=None) -> int:
                             after = planning_seconds(engines[m])
                             rec[m].setdefault("plans", []).append(
                                 None if after is None else after - planned)
+                            rec[m].setdefault("ratios", []).append(learnt_ratios(engines[m]))
                         advance()
                     losses_equal &= all(torch.equal(losses["none"], v) for v in losses.values())
             if device.type != "cuda":
@@ -302,8 +303,8 @@ def summarize(rec: dict, modes: list, engines: dict, budget: int) -> dict:
                        median_recompute_s=C.median(v.recompute_seconds for v in s),
                        median_stall_s=C.median(v.stall_seconds for v in s),
                        block_modes=list(s[-1].block_modes),
-                       steps=[prediction_row(T, v, w, p) for T, v, w, p in
-                              zip(r["visits"], s, r["walls"], r["plans"])],
+                       steps=[dict(prediction_row(T, v, w, p), **q) for T, v, w, p, q in
+                              zip(r["visits"], s, r["walls"], r["plans"], r["ratios"])],
                        planner=planner_state(engines[m]))
         out[m] = row
     return out
@@ -329,6 +330,7 @@ def planner_state(engine) -> Optional[dict]:
             "predicted_s": pred and float(pred.total_seconds),
             "predicted_stall_s": pred and float(pred.stall_seconds),
             "moved_bytes": pred and int(pred.moved_bytes), "own_view": view is not None,
+            "view_forward_s": view and sum(b.forward_seconds for b in view.blocks),
             "stand_in": bool(plan.stand_in), "compute_scale": bm.compute_scale.get(key, 1.0),
             "margin_bytes": bm.margin.get(key, 0), "visits": bm.visits.get(key, 0),
             "ran": [{"modes": list(mix), "low_median_s": t}
@@ -338,6 +340,18 @@ def planner_state(engine) -> Optional[dict]:
             "sel_seconds_ratio": bm.sel_seconds_ratio, "full_seconds_ratio": bm.full_seconds_ratio,
             "warm": bool(bm.warm), "planning_s": bm.planning_seconds,
             "trained_s": bm.trained_seconds, "sizes": sizes}
+
+
+def learnt_ratios(engine) -> dict:
+    """After a step: the full and selective recompute ratios the planner holds (None where not
+    measured, or without ``model=``), and the step's recompute and stall seconds: per step, where
+    a ratio was learnt and from what (a GPU run read full recomputation at twice the kept
+    forward, where the steps ran it at about once)."""
+    bm = getattr(engine._policy, "modes", None)
+    st = engine.last_step
+    return {"full_ratio": getattr(bm, "full_seconds_ratio", None),
+            "sel_ratio": getattr(bm, "sel_seconds_ratio", None),
+            "recompute_s": st.recompute_seconds, "stall_s": st.stall_seconds}
 
 
 def planning_seconds(engine) -> Optional[float]:
