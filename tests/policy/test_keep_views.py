@@ -231,3 +231,21 @@ def test_under_autocast_the_weights_casts_are_marked_fixed_and_scale_to_the_othe
     linear = keep_views.scaled(replace(a, fixed=()), b.input_bytes / a.input_bytes, b.input_bytes)
     assert sum(sp.nbytes for sp in linear.profile.spans) > \
         1.05 * sum(sp.nbytes for sp in b.profile.spans)
+
+
+def test_the_full_recompute_ratio_is_of_sums_not_a_mean_of_each_block_s():
+    # A view whose forward is split unevenly among its blocks (the last one read small: its
+    # waits taken out, or scaled so) against recomputes that ran evenly: the ratio of sums
+    # says what recomputing those blocks costs; a mean of each block's ratio read 2.5 (clamped
+    # to 2.0), as an H100 run's did while its recomputes summed to 1.1-1.2x the views'.
+    blocks = [Block(0, 1, f, 100) for f in (0.010, 0.010, 0.010, 0.002)]
+    v = KeepView(view().profile, blocks, [0, 1, 2, 3], 100)
+    calls = [SimpleNamespace(mode="full", recompute_seconds=0.008, block=b) for b in range(4)]
+    assert keep_views.full_ratio(v, calls, 100) == pytest.approx(0.032 / 0.032)
+    assert keep_views.full_ratio(v, calls, 200) == pytest.approx(0.5)        # scaled to the size
+    assert keep_views.full_ratio(v, calls[:1], 100) == pytest.approx(0.8)    # those blocks only
+    slow = [SimpleNamespace(mode="full", recompute_seconds=1.0, block=0)]
+    assert keep_views.full_ratio(v, slow, 100) == keep_views.FULL_RATIO_CLAMP[1]
+    assert keep_views.full_ratio(replace(v, cold=True), calls, 100) is None
+    kept = [SimpleNamespace(mode="keep", recompute_seconds=None, block=0)]
+    assert keep_views.full_ratio(v, kept, 100) is None
