@@ -146,7 +146,8 @@ def main(argv=None) -> int:
                             row[m].update(block_modes=list(s.block_modes),
                                           plan_source=s.plan_source, budget_bytes=s.budget_bytes,
                                           offloaded_bytes=s.offloaded_bytes,
-                                          recomputed_bytes=s.recomputed_bytes)
+                                          recomputed_bytes=s.recomputed_bytes,
+                                          **memory_row(s))
                         advance()
                     equal &= all(torch.equal(losses["none"], v) for v in losses.values())
                     rows.append(row)
@@ -168,6 +169,17 @@ def timed_peak(device: torch.device, fn):
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     out, dt, above = C.timed(device, fn)
     return out, dt, None if above is None else base + above
+
+
+def memory_row(s) -> dict:
+    """How the cap's budget was derived for the step (None on the CPU, which takes a budget):
+    the smallest budget in force, its predicted and measured transient, whether it missed, the
+    safety factor and the fragmentation kept free after it, its stalls and host waits. A run
+    whose budgets shrink can then say which part of the reserve grew."""
+    return {k: getattr(s, k, None) for k in (
+        "min_budget_bytes", "predicted_transient_bytes", "transient_bytes", "memory_tightened",
+        "memory_safety", "fragmentation_kept_bytes", "stall_seconds", "host_wait_seconds",
+        "peak_resident_bytes")}
 
 
 def summarize(a, cfg, device, natural: int, rows: list, equal: bool) -> dict:

@@ -210,13 +210,43 @@ def test_prediction_interpolates_and_extrapolates_upwards():
     assert mem.predict_transient(250) == 2500 * 1.25
 
 
+def test_steps_without_a_miss_relax_the_safety_factor_back():
+    # Misses raise the factor for every later step; a run of steps that fit their prediction
+    # brings it back down, one growth per ``relax_after`` steps, never under 1 + margin. Without
+    # it the factor only grew, and a schedule whose lengths and mixes change (each new one a
+    # miss) shrank every later step's budget for good.
+    mem = DeviceMemoryBudget(CAP, relax_after=3)
+    run_step(mem, 8192)
+    base = mem.safety
+    r1 = run_step(mem, 8192, extra_transient=GiB)
+    r2 = run_step(mem, 8192, extra_transient=6 * GiB)
+    assert r1["report"].tightened and r2["report"].tightened
+    high = mem.safety
+    assert high == pytest.approx(base * 1.25 ** 2) and r2["report"].safety == high
+    tight = mem.begin_step(STATE)
+    for k in range(2):
+        assert not run_step(mem, 8192)["report"].tightened and mem.safety == high
+    r = run_step(mem, 8192)                       # the third in a row: one growth undone
+    assert mem.safety == pytest.approx(base * 1.25) and r["report"].safety == mem.safety
+    assert mem.begin_step(STATE) > tight          # more room for the activations again
+    run_step(mem, 8192, extra_transient=12 * GiB)  # a miss starts the count again
+    for k in range(2):
+        run_step(mem, 8192)
+    assert mem.safety > base * 1.25
+    for k in range(10):
+        run_step(mem, 8192)
+    assert mem.safety == pytest.approx(base)      # never below where it started
+
+
 @pytest.mark.parametrize("kwargs,name", [(dict(limit_bytes=-1), "limit_bytes"),
                                          (dict(limit_bytes=1.5), "limit_bytes"),
                                          (dict(limit_bytes=1, margin=-0.1), "margin"),
                                          (dict(limit_bytes=1, miss_growth=1.0), "miss_growth"),
                                          (dict(limit_bytes=1, first_share=1.5), "first_share"),
                                          (dict(limit_bytes=1, window=0), "window"),
-                                         (dict(limit_bytes=1, max_safety=0.5), "max_safety")])
+                                         (dict(limit_bytes=1, max_safety=0.5), "max_safety"),
+                                         (dict(limit_bytes=1, relax_after=0), "relax_after"),
+                                         (dict(limit_bytes=1, relax_after=2.0), "relax_after")])
 def test_bad_arguments_name_themselves(kwargs, name):
     with pytest.raises(ValueError, match=name):
         DeviceMemoryBudget(**kwargs)

@@ -26,7 +26,14 @@ with tokens, and with the attention scores where those are saved, as the transie
   segments it releases before failing).
 * a miss (measured transient above the prediction or above the room the budget left, or a step
   that ran out of memory) multiplies the safety factor applied to every later prediction, and the
-  report says so.
+  report says so. ``relax_after`` finished steps in a row without a miss divide it back by as
+  much (never below ``1 + margin``): a miss says what one step needed, not every later step.
+  Without that the factor only grew, and every later budget shrank with it: on an H100 (HF
+  Llama 4096x8 under a 31 GiB cap, lengths 4k-16k, the mix of kept, swapped and recomputed
+  blocks changing between steps) the second pass of a 7-step schedule ran with budgets of
+  2.2-5.5 GiB where the first had run 8.8-17.7 GiB, moving 10-30 GiB a step at 2.5-3.4 s
+  against 0.5 s plain (how much of that was the factor and how much the fragmentation kept
+  free was not recorded; the report now carries both).
 """
 from __future__ import annotations
 
@@ -48,6 +55,8 @@ class MemoryReport:
     transient_bytes: int                       # measured: device peak above the step's start,
                                                # less the most saved-activation bytes resident
     tightened: bool                            # a miss: later steps leave more room
+    safety: float = 1.0                        # the safety factor after the step
+    fragmentation_bytes: int = 0               # kept free for fragmentation from then on
 
 
 class DeviceMemoryBudget:
@@ -66,11 +75,13 @@ class DeviceMemoryBudget:
             ``max_safety``).
         first_share: the share of the free memory the first step may keep activations in, with
             nothing learnt yet (the rest is left for its logits, gradients and workspaces).
+        relax_after: finished steps in a row without a miss after which the safety factor is
+            divided by ``miss_growth`` (not below ``1 + margin``).
     """
 
     def __init__(self, limit_bytes: int, *, margin: float = 0.10, min_margin_bytes: int = 64 * MIB,
                  window: int = 32, miss_growth: float = 1.25, max_safety: float = 4.0,
-                 first_share: float = 0.25) -> None:
+                 first_share: float = 0.25, relax_after: int = 8) -> None:
         if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or limit_bytes < 0:
             raise ValueError(f"limit_bytes must be an int >= 0; got {limit_bytes!r}")
         if not margin >= 0:
@@ -83,6 +94,10 @@ class DeviceMemoryBudget:
             raise ValueError(f"window must be an int >= 1; got {window!r}")
         if not max_safety >= 1 + margin:
             raise ValueError(f"max_safety must be a number >= 1 + margin; got {max_safety!r}")
+        if isinstance(relax_after, bool) or not isinstance(relax_after, int) or relax_after < 1:
+            raise ValueError(f"relax_after must be an int >= 1; got {relax_after!r}")
+        self.relax_after = relax_after
+        self._clean = 0                     # finished steps in a row without a miss
         self.first_share = first_share
         self.limit_bytes = limit_bytes
         self.min_margin_bytes = min_margin_bytes
@@ -197,6 +212,12 @@ class DeviceMemoryBudget:
         tightened = out_of_memory or (not failed and over)
         if tightened:
             self.safety = min(self.max_safety, self.safety * self.miss_growth)
+            self._clean = 0
+        elif not failed:
+            self._clean += 1
+            if self._clean >= self.relax_after:
+                self.safety = max(self._base_safety, self.safety / self.miss_growth)
+                self._clean = 0
         if out_of_memory or not failed:
             self._gaps.append(max(0, fragmentation_bytes))
             if size > 0:
@@ -207,4 +228,5 @@ class DeviceMemoryBudget:
                 self._ref = (self._prefix, saved_bytes)
         self._prefix = []
         return MemoryReport(min_budget_bytes=self._min_budget, predicted_transient_bytes=predicted,
-                            transient_bytes=transient, tightened=tightened)
+                            transient_bytes=transient, tightened=tightened,
+                            safety=self.safety, fragmentation_bytes=max(self._gaps, default=0))

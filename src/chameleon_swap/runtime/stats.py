@@ -49,6 +49,8 @@ class StepStats:
     transient_bytes: Optional[int] = None     # measured: device peak - start - peak resident
     memory_tightened: bool = False     # the prediction was too small (or the step ran out of
                                        # memory): later steps leave more room
+    memory_safety: Optional[float] = None       # the factor on predicted transients after it
+    fragmentation_kept_bytes: Optional[int] = None  # kept free for fragmentation after it
     failed: bool = False               # the step ended with an exception
     # Adaptivity (profiler and plans).
     sequence_changed: bool = False     # differs from the previous step beyond the thresholds

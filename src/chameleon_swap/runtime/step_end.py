@@ -221,7 +221,8 @@ def _end_memory_step(eng, counters, failed: bool, oom: bool) -> dict:
         failed=failed, out_of_memory=oom)
     return dict(peak_device_bytes=peak, min_budget_bytes=r.min_budget_bytes,
                 predicted_transient_bytes=r.predicted_transient_bytes,
-                transient_bytes=r.transient_bytes, memory_tightened=r.tightened)
+                transient_bytes=r.transient_bytes, memory_tightened=r.tightened,
+                memory_safety=r.safety, fragmentation_kept_bytes=r.fragmentation_bytes)
 
 
 def _write_trace(eng, profile, stats: StepStats) -> None:
