@@ -113,7 +113,7 @@ def _fake_policy(views_version: int):
 
     def replan(*a, **kw):
         raise AssertionError("no correction was due")
-    modes = NS(key=5, views=NS(version=views_version), plans={}, replan=replan)
+    modes = NS(key=5, plans={}, replan=replan, view_stamp=lambda key: (key, views_version))
     return NS(checks=PlanChecks(), modes=modes)
 
 
@@ -128,12 +128,12 @@ def test_a_miss_of_a_plan_from_views_changed_since_corrects_nothing_and_counting
     pol.modes.input_bytes = 100
     pol.ex = NS(stats=NS(offloaded_tensors=0))
     pred = NS(total_seconds=2.8, stall_seconds=0.0)
-    plan = NS(views_version=2, input_bytes=100, hybrid=NS(predicted=pred))
+    plan = NS(views_version=(5, 2), input_bytes=100, hybrid=NS(predicted=pred))
     pol.modes.plans[5] = plan
     pol.checks.misses[("modes", 5)] = 1             # one miss already
     checks.check_step(pol, profile, None, plan, predicted=2.8)
     assert ("modes", 5) not in pol.checks.misses    # no replan, nothing counted
-    plan.views_version = 3                          # made from the views as they are: counted
+    plan.views_version = (5, 3)                     # made from the view as it is: counted
     checks.check_step(pol, profile, None, plan, predicted=2.8)
     assert pol.checks.misses[("modes", 5)] == 1
     # A step slowed by pinning is not a miss either.
@@ -254,7 +254,9 @@ def test_a_swap_plan_that_misses_while_its_modes_are_being_planned_again_is_made
 
     def starve(eng):
         monkeypatch.setattr(background.Worker, "ready", lambda self, ticket: False)
-        eng._policy.modes.views.version += 1        # (a view changed: the modes wait a plan)
+        modes = eng._policy.modes                   # (its view changed: the modes wait a plan)
+        src = modes.view_stamp(modes.key)[0]
+        modes.views[src] = modes.views[src]
     off, _ = _swap_plans_read_a_third(starve)
     assert max(off[:3]) > 2, off
     # (Which step reads "replanned" depends on the mix the first 8 steps settled on, which this

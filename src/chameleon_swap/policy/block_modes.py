@@ -211,10 +211,8 @@ class BlockModes(SizePlans):
                 else max(plans.values(), key=lambda p: p.input_bytes))
 
     def _view_near(self, input_bytes: int) -> Optional[KeepView]:
-        if not self.views:
-            return None
-        return min(self.views.values(), key=lambda v: (abs(v.input_bytes - input_bytes),
-                                                       -v.input_bytes))
+        key = self.views.near(input_bytes)
+        return None if key is None else self.views[key]
 
     # ------------------------------------------------------------------ step end
     def end_step(self, profile, calls: list, ok: bool) -> None:
@@ -238,11 +236,23 @@ class BlockModes(SizePlans):
         if plan is not None and not plan.measured and self.key in self.views:
             self.stale.discard(self.key)        # its own keep view now: at once (once a size)
             self._make(self.key, free=True)
-        elif self.key in self.stale or (dearer and plan.key == self.key):
-            # The link changed, or what a move costs did (learnt since): plan the key again.
+        elif self.key in self.stale or (dearer and plan.key == self.key) or self._moved_on(plan):
+            # The link changed, or what a move costs did (learnt since), or the plan was made
+            # from another size's keep view that changed since, or is no longer the nearest:
+            # plan the key again.
             self.replan(self.key, 1.0)
         elif plan is None or moved(plan.budget, self.budget, REPLAN_BUDGET_CHANGE):
             self._make(self.key)
+
+    def _moved_on(self, plan) -> bool:
+        """``plan`` (this key's) was made from another size's keep view, and the view this key
+        would plan from now is another, or that one changed since. (A key's own view changing
+        has its own ways back to planning: ``_learn``'s correction marks it stale, and a step
+        that kept every block only confirms the mix; planning again at each of those churned a
+        test's mix away from the one that ran fastest.)"""
+        if plan is None or plan.key != self.key or not plan.views_version:
+            return False
+        return plan.views_version[0] != self.key and plan.views_version != self.view_stamp(self.key)
 
     def _learn(self, profile, calls: list, kept: bool) -> None:
         """What a step not slowed by pinning teaches: its mix's time, its view, the ratios."""

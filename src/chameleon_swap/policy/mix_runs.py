@@ -46,7 +46,7 @@ class ModePlan:
     replanned: bool = False     # made again after its predictions missed (not yet reported)
     move_seconds: float = 0.0   # the cost of a move it was planned with
     stand_in: bool = False      # runs its plan's fallback until a later step is timed
-    views_version: int = 0      # ``Views.version`` of the keep views it was made from
+    views_version: tuple = ()   # the stamp of the keep view it was made from (``view_stamp``)
 
 
 RUNS_KEPT = 3                   # step times kept per mix and size (their low median ranks it)

@@ -48,7 +48,7 @@ class Job:
     measured: bool              # from the size's own keep view
     trusted: bool               # warm figures and own view (else it stands in: until_warm)
     move_seconds: float
-    views_version: int
+    views_version: tuple        # ``view_stamp``: the keep view it is made from
     host: Optional[int]
     seconds: float = 0.0        # spent on the step's thread preparing it
     free: bool = False          # a thaw's (not charged to the share)
@@ -87,6 +87,13 @@ class SizePlans:
             self._land(key, job, hp)
             if job.after is not None:
                 self._replanned(key, *job.after)
+
+    def view_stamp(self, key: int) -> tuple:
+        """(the size whose keep view ``key`` plans from now, that view's stamp): its own where it
+        has one, else the nearest to the current step's size (``()``: none). A plan made from
+        another, or from this one before it changed, is out of date."""
+        src = key if key in self.views else self.views.near(self.input_bytes)
+        return () if src is None else (src, self.views.stamps.get(src, 0))
 
     def _make(self, key: int, free: bool = False, after: Optional[tuple] = None) -> None:
         """Plan ``key`` (``free``: not charged to the share; ``after``: a replan's, see
@@ -165,7 +172,7 @@ class SizePlans:
         budget, trusted = self.budget - self.margin.get(key, 0), self.warm and measured
         args = (prof, blocks, budget, host, now, self.measured(key, view.block_ids), not trusted)
         return Job(args, list(view.block_ids), view.input_bytes, self.budget, measured, trusted,
-                   prof.move_seconds, self.views.version, host)
+                   prof.move_seconds, self.view_stamp(key), host)
 
     def _land(self, key: int, job: Job, hp) -> None:
         """Plan ``hp`` (``plan_size``'s, for ``job``) becomes ``key``'s."""
