@@ -210,6 +210,35 @@ def test_prediction_interpolates_and_extrapolates_upwards():
     assert mem.predict_transient(250) == 2500 * 1.25
 
 
+def test_a_step_that_recomputed_counts_what_it_did_not_save_in_its_size():
+    # A step whose blocks recomputed saved a fraction of what a kept step of its length saves,
+    # and its transient (logits, gradients, workspaces) is the same. Sized by its saves alone
+    # it reads as a small step with a large transient: a miss, and a floor under every larger
+    # size (on an H100, a 4k-token step kept 13.2 GiB free for a 0.9 GiB transient). Sized with
+    # what its recomputed blocks would have saved, it is the kept step's size.
+    def recomputing_step(mem, tokens, share):
+        mem.begin_step(STATE)
+        kept = saved(tokens)
+        part = int(kept * share)
+        return mem.end_step(saved_bytes=part, recomputed_bytes=kept - part,
+                            peak_allocated=STATE + part + transient(tokens),
+                            allocated_at_start=STATE, peak_resident=part)
+    sized, unsized = DeviceMemoryBudget(CAP), DeviceMemoryBudget(CAP)
+    for mem in (sized, unsized):
+        for tokens in (4096, 16384):
+            run_step(mem, tokens)
+    r = recomputing_step(sized, 16384, 0.2)
+    assert not r.tightened and r.predicted_transient_bytes >= transient(16384)
+    unsized.begin_step(STATE)
+    kept = saved(16384)
+    u = unsized.end_step(saved_bytes=kept // 5, peak_allocated=STATE + kept // 5
+                         + transient(16384), allocated_at_start=STATE, peak_resident=kept // 5)
+    assert u.tightened                            # (as before: a miss at a small size)
+    # The next short step keeps free what its own length needs, not the long step's transient.
+    assert sized.predict_transient(saved(4096)) < unsized.predict_transient(saved(4096))
+    assert sized.predict_transient(saved(4096)) <= transient(4096) * sized.safety + 1
+
+
 def test_steps_without_a_miss_relax_the_safety_factor_back():
     # Misses raise the factor for every later step; a run of steps that fit their prediction
     # brings it back down, one growth per ``relax_after`` steps, never under 1 + margin. Without

@@ -195,15 +195,23 @@ class DeviceMemoryBudget:
 
     def end_step(self, *, saved_bytes: int, peak_allocated: int, allocated_at_start: int,
                  peak_resident: int, fragmentation_bytes: int = 0, failed: bool = False,
-                 out_of_memory: bool = False) -> MemoryReport:
+                 out_of_memory: bool = False, recomputed_bytes: int = 0) -> MemoryReport:
         """Learn from a finished step: ``peak_allocated`` is the device's peak during it,
         ``peak_resident`` the most saved-activation bytes the engine held, and
         ``fragmentation_bytes`` the most free bytes stuck inside partly used allocator segments.
         A ``failed`` step teaches nothing (it may have stopped before backward) unless it ran
         ``out_of_memory``: a miss, whose transient (cut short by the failure) is not kept as an
-        observation, but whose size so far is assumed for the next step."""
+        observation, but whose size so far is assumed for the next step.
+
+        ``recomputed_bytes``: what the step's recomputed blocks did not save (they re-created
+        it in backward, held as resident then). The step's size is what it saved and that, so a
+        size does not depend on the mix the step ran: on an H100 (HF Llama 4096x8 under a 31 GiB
+        cap) a 16k-token step of selective blocks saved 5 GiB where kept ones saved 30, its
+        transient was theirs (7.7 GiB against 6.6-7.6), and counted at the small size it was a
+        miss (1.6 GiB predicted) that then bounded every larger size from below: a 4k-token
+        step, whose transient is 0.9 GiB, kept 13.2 GiB free for it."""
         transient = max(0, peak_allocated - allocated_at_start - peak_resident)
-        size = max(saved_bytes, self._size if out_of_memory else 0)
+        size = max(saved_bytes + max(0, recomputed_bytes), self._size if out_of_memory else 0)
         predicted = self.predict_transient(size)
         # A miss: more transient than predicted for the step's size, or more than the budget in
         # force left room for (the size was underestimated and nothing lowered the budget).
@@ -224,8 +232,8 @@ class DeviceMemoryBudget:
                 self._last_size = size
         if not failed:
             self._obs.append((size, transient))
-            if saved_bytes > 0:
-                self._ref = (self._prefix, saved_bytes)
+            if saved_bytes > 0:     # (what this step saved by each call, scaled to its size)
+                self._ref = (self._prefix, size)
         self._prefix = []
         return MemoryReport(min_budget_bytes=self._min_budget, predicted_transient_bytes=predicted,
                             transient_bytes=transient, tightened=tightened,

@@ -52,8 +52,6 @@ def finish_step(eng, t0: float, budget: Optional[int], failed: bool,
         memory = {}
         if needs_sync(eng, budget):
             sync_device(eng.device)
-        if eng.device.type == "cuda" and eng._memory is not None:
-            memory = _end_memory_step(eng, counters, failed, oom)
         host_seconds = time.perf_counter() - t0
         # Synchronized, the wall time is the step's own; else it comes from events, a step late.
         step_seconds = None if eng._timer.lagging else host_seconds
@@ -61,6 +59,8 @@ def finish_step(eng, t0: float, budget: Optional[int], failed: bool,
         # (the recomputes' times are without the waits inside them: given before they are read)
         calls = (eng._runner.end_step(failed, [s for _, s in stalls])
                  if eng._runner is not None else [])
+        if eng.device.type == "cuda" and eng._memory is not None:
+            memory = _end_memory_step(eng, counters, failed, oom, calls)
         profile = eng._profiler.finish(host_seconds, stalls)
         profile.blocks = calls
         profile.extra["link"] = eng._copy.take_link()
@@ -207,8 +207,10 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def _end_memory_step(eng, counters, failed: bool, oom: bool) -> dict:
-    """The device's side of the step for the budget derivation, as StepStats fields."""
+def _end_memory_step(eng, counters, failed: bool, oom: bool, calls: list) -> dict:
+    """The device's side of the step for the budget derivation, as StepStats fields. Its size
+    counts what recomputed blocks (``calls``, the runner's) would have saved kept beyond their
+    inputs, which they saved: a step's size is then the same whatever mix it ran."""
     stats = torch.cuda.memory_stats(eng.device)
     peak = torch.cuda.max_memory_allocated(eng.device)
     r = eng._memory.end_step(
@@ -218,7 +220,9 @@ def _end_memory_step(eng, counters, failed: bool, oom: bool) -> dict:
         # Free bytes inside segments that also hold live blocks: unlike whole free segments,
         # the allocator cannot give them back when it runs short.
         fragmentation_bytes=stats.get("inactive_split_bytes.all.peak", 0),
-        failed=failed, out_of_memory=oom)
+        failed=failed, out_of_memory=oom,
+        recomputed_bytes=sum(max(0, c.recomputed_bytes - c.input_bytes)
+                             for c in calls if c.mode != "keep"))
     return dict(peak_device_bytes=peak, min_budget_bytes=r.min_budget_bytes,
                 predicted_transient_bytes=r.predicted_transient_bytes,
                 transient_bytes=r.transient_bytes, memory_tightened=r.tightened,
