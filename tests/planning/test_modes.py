@@ -504,3 +504,33 @@ def test_a_fallback_moves_nothing_fits_and_is_another_mix(n_blocks, per_block, b
         assert fb.modes != hp.modes and fb.predicted.moved_bytes == 0
         assert fb.predicted.budget_ok and not fb.predicted.forced_offloads
         assert set(fb.modes) <= {"keep", "full"}
+
+
+def test_a_quiet_mix_that_does_less_work_stays_whatever_noise_ranks_above_it():
+    # One block kept and three full, nothing moved, runs at this size; a step of noise read it
+    # slower than all four full ran. Keeping a block instead of recomputing it, moving nothing,
+    # can only be faster: it stays (on the CPU demo such a size went to all full and then ran
+    # 1.01-1.35x of checkpointing's step). A mix that copies is not protected so: whether its
+    # copies hide is what the model knows least.
+    from chameleon_swap.planning.calibration import dominates
+    from chameleon_swap.planning.swaps import plan as plan_swaps
+    prof, blocks = keep_view(bw=1e6)             # copies dear: no mix that copies is best
+    K, F = "keep", "full"
+    one_kept, all_full = (K, F, F, F), (F,) * 4
+
+    def pred(m, budget):
+        return plan_swaps(apply_modes(prof, blocks, m), budget).predicted
+    budget = pred(one_kept, 10**12).peak_bytes
+    assert pred(one_kept, budget).moved_bytes == 0 == pred(all_full, budget).moved_bytes
+    assert dominates(one_kept, pred(one_kept, budget), all_full, pred(all_full, budget))
+    assert not dominates(all_full, pred(all_full, budget), one_kept, pred(one_kept, budget))
+    assert not dominates(one_kept, pred(one_kept, budget), one_kept, pred(one_kept, budget))
+    noisy = {one_kept: 1.4 * pred(one_kept, budget).total_seconds,
+             all_full: pred(all_full, budget).total_seconds}
+    assert plan_hybrid(prof, blocks, budget, measured=noisy).modes == all_full   # no incumbent
+    assert plan_hybrid(prof, blocks, budget, measured=noisy, incumbent=one_kept).modes == one_kept
+    # Where keeping the block must copy or does not fit, the measurements decide.
+    tight = pred(all_full, 10**12).peak_bytes
+    squeezed = pred(one_kept, tight)
+    assert squeezed.moved_bytes > 0 or not squeezed.budget_ok
+    assert not dominates(one_kept, squeezed, all_full, pred(all_full, tight))

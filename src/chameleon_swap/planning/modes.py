@@ -29,11 +29,10 @@ into the timeline of a mix of modes:
 their forward and their backward, since those are the ones the link cannot hide), runs the swap
 planner on each (a rough plan, ``ROUGH_EVALS`` simulations; the best ``REFINED`` mixes are then
 planned with ``QUICK_EVALS``; a family whose two ends are far slower than the best so far is
-skipped) and keeps the least predicted time under the budget. The uniform
-mixes (swap only, all selective where measured, all full) are always among the candidates, so
-the result is never predicted slower than any of them (as the search plans their swaps) where it
-fits. When no mix fits, the one with the smallest peak is chosen (the policy then warns), never
-the one that keeps everything.
+skipped) and keeps the least predicted time under the budget. The uniform mixes (swap only,
+all selective where measured, all full) are always among the candidates, so the result is never
+predicted slower than any of them (as the search plans their swaps) where it fits. When no mix
+fits, the one with the smallest peak is chosen (the policy then warns), never all kept.
 
 A model is a model: mixes it ranks close can run far apart (4-block HF Llama, 25%, emulated link:
 one block kept and three recomputed, predicted within 5% of all four recomputed, ran 10-15%
@@ -43,13 +42,14 @@ over predicted among them; for a mix that copies or selects, among those that di
 The mix a size runs (``incumbent``) stays unless another is ``SWITCH_GAIN`` faster, or it copies
 or recomputes selectively and ran that much above its own prediction (a quiet mix's miss is the
 compute's, every mix's alike: the emulated-link benchmark at 50% left (2, 0, 2), 0.165-0.168 s,
-for (2, 2, 0) predicted 0.154 s, ran 0.23). The model's parts
-most often wrong are the link and what a mix holds (an 8-block HF Llama on the emulated link: keep
-5, recompute 3, predicted 53 ms, ran 62; all full predicted 60, ran 54; a 4-block one at 50%: all
-selective predicted to fit, the guard moved 7.6 MiB and it ran 1.7x of the plain step, PyTorch's
-selective 1.09x). So the best other mix scored of those the model is surest of (kept and fully
-recomputed blocks only, nothing moved) that fits and never ran comes with the winner
-(``HybridPlan.fallback``), for the policy to run beside it.
+for (2, 2, 0) predicted 0.154 s, ran 0.23); a quiet one that does no more work than the best
+stays whatever it ran (``dominates``). The model's parts most often wrong are the link and what
+a mix holds (an 8-block HF Llama on the emulated link: keep 5, recompute 3, predicted 53 ms, ran
+62; all full predicted 60, ran 54; a 4-block one at 50%: all selective predicted to fit, the
+guard moved 7.6 MiB, it ran 1.7x of the plain step, PyTorch's selective 1.09x). So the best
+other mix scored of those the model is surest of (kept and fully recomputed blocks only,
+nothing moved) that fits and never ran comes with the winner (``HybridPlan.fallback``), for the
+policy to run beside it.
 
 Host memory is bounded too (``host_limit``: the room of the host arena, ``host_memory_limit``):
 every byte a plan copies out holds a host buffer until backward releases its tensor, so a mix
@@ -62,7 +62,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Sequence
 
-from .calibration import calibrations, moving
+from .calibration import calibrations, dominates, moving
 from .ladder import best_count
 from .swaps import plan as plan_swaps
 from .timeline import Plan, Prediction, Profile, Span, unmoved_peak
@@ -388,8 +388,9 @@ class _ModeSearch:
         best = min(cands[:REFINED], key=lambda m: (self.score(m), m))
         if incumbent is None or incumbent == best:
             return best
-        ran = self.measured.get(incumbent)
-        inc = self._plan(incumbent).predicted
+        ran, inc = self.measured.get(incumbent), self._plan(incumbent).predicted
+        if dominates(incumbent, inc, best, self._plan(best).predicted):
+            return incumbent   # no more work than the best, nothing more moved: it stays
         if ran is not None and ran > (1 + SWITCH_GAIN) * inc.total_seconds and moving(
                 incumbent, inc):
             return best       # well above its prediction where the model is least sure: no loyalty
