@@ -459,6 +459,24 @@ def test_a_mix_that_moves_nothing_is_tried_against_its_fallback_only_where_it_ra
     assert modes.plans[5].hybrid is hp
 
 
+def test_a_quiet_mix_that_does_no_more_work_than_its_fallback_is_not_tried_against_it():
+    # One block kept and the rest full, nothing copied, against its fallback all full: keeping
+    # a block it would recompute cannot make a step slower, so its slow steps are noise and no
+    # trial runs (on the CPU demo such a trial sent sizes to all full on one noisy step).
+    modes, step, pred, hp = _scripted_modes()
+    all_full = replace(hp.fallback, fallback=None)
+    assert set(all_full.modes) == {"full"} and not all_full.predicted.moved_bytes
+    # (the same prediction: what decides is that it keeps a block all full recomputes)
+    quiet = replace(all_full, modes=("keep",) + all_full.modes[1:])
+    plan = modes.plans[5]
+    modes.plans[5] = replace(plan, modes=dict(zip(plan.modes, quiet.modes)),
+                             hybrid=replace(quiet, fallback=all_full), working_set={})
+    p = quiet.predicted.total_seconds
+    for t in (3 * p, 1.5 * p, 1.5 * p, 1.5 * p):
+        step(t)
+    assert modes.plans[5].hybrid.modes == quiet.modes and not modes.trials.by_key
+
+
 def test_one_slow_step_of_the_fallback_does_not_send_the_size_back():
     # Noise only slows a step: the CPU demo's 160-token size went back to a mix at 130 ms after
     # all full's second step read 190 ms, where checkpointing ran 100-145 ms.

@@ -19,6 +19,7 @@ step's size.
 * What ran outranks what was predicted (``mix_runs``): mixes that ran are ranked by their step
   times, and a mix that copies, recomputes selectively or ran slower than predicted is checked
   once per size against its plan's fallback (kept and full blocks, nothing moved); faster stays.
+  A quiet mix that keeps a block its fallback recomputes is not: only noise could favour that.
 * Selective figures (what selective checkpointing keeps and costs) are measured, not assumed: the
   first time a plan recomputes a block fully and selective was never measured, one such block runs
   selective for one step; its held bytes and recompute time, against its keep-view figures, give

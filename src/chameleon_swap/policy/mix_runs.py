@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from ..config import format_bytes
-from ..planning.calibration import moving
+from ..planning.calibration import dominates, moving
 from ..planning.modes import SWITCH_GAIN, HybridPlan
 
 
@@ -92,9 +92,12 @@ class Trials:
     def start(self, key: int, plan, ran: float):
         """``plan`` (a ``ModePlan``) with its mix replaced by its fallback's, to run next at
         ``key`` (its mix ran at median ``ran``); None where it has no fallback, or the size had
-        its trial."""
-        fb = plan.hybrid.fallback
-        if fb is None or key in self.by_key:
+        its trial, or the plan does no more work than its fallback (``dominates``: one kept
+        block and seven full, nothing copied, against all full, where only noise can decide)."""
+        fb, hp = plan.hybrid.fallback, plan.hybrid
+        if fb is None or key in self.by_key or (
+                hp.predicted is not None and fb.predicted is not None
+                and dominates(hp.modes, hp.predicted, fb.modes, fb.predicted)):
             return None
         ids = list(plan.modes)
         tried = replace(plan, modes=dict(zip(ids, fb.modes)), hybrid=fb,
