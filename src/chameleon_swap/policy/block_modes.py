@@ -248,9 +248,8 @@ class BlockModes(SizePlans):
     def _moved_on(self, plan) -> bool:
         """``plan`` (this key's) was made from another size's keep view, and the view this key
         would plan from now is another, or that one changed since. (A key's own view changing
-        has its own ways back to planning: ``_learn``'s correction marks it stale, and a step
-        that kept every block only confirms the mix; planning again at each of those churned a
-        test's mix away from the one that ran fastest.)"""
+        has its own way back to planning, ``_learn``'s correction marking it stale; planning
+        again at every change of it churned a test's mix away from the one that ran fastest.)"""
         if plan is None or plan.key != self.key or not plan.views_version:
             return False
         return plan.views_version[0] != self.key and plan.views_version != self.view_stamp(self.key)

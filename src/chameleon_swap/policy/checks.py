@@ -210,9 +210,10 @@ def check_step(policy, profile, applied, mode_plan, predicted) -> None:
     if (mode_plan is not None
             and mode_plan.views_version != policy.modes.view_stamp(policy.modes.key)):
         # Planned from a keep view that changed since (learnt, corrected or thawed), or from
-        # another size's where a nearer one is there now: the size is planned again from it
-        # (``BlockModes.end_step``), and a compute factor measured against the old prediction
-        # would correct it twice. Measured on an H100 (HF Llama 4096x8): a size whose first
+        # another size's where a nearer one is there now: the size is planned again
+        # (``BlockModes.end_step``: at once where the view was another size's, through the
+        # view's own correction otherwise), and a compute factor measured against the old
+        # prediction would correct it twice. Measured on an H100 (HF Llama 4096x8): a size whose first
         # plans came from the slow first step missed twice, the warm view planned it right,
         # and the factor of 0.25 on top made it predict 0.11 s for steps of 0.44 s. Only the
         # view a plan was made from counts: when any view's change did (one version for all),

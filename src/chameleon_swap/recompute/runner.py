@@ -207,7 +207,7 @@ class BlockRunner:
         self._calls: list[BlockCall] = []
         self._live: list[_Live] = []
         self._open_ws: list[_Live] = []
-        self._timed: list[tuple] = []                # (call, "forward"|"recompute", start, end, apart)
+        self._timed: list[tuple] = []        # (call, "forward"|"recompute", start, end, apart)
         self._cache_was: Optional[bool] = None       # use_cache turned off for this step
 
     @property
