@@ -154,8 +154,12 @@ class DeviceMemoryBudget:
             # step that ran out of memory before anything was learnt).
             share = self.first_share * self._base_safety / self.safety
             return self._headroom - int(self._headroom * share)
-        gap = max(self._gaps, default=0)
-        return transient + gap + self.min_margin_bytes
+        return transient + self.fragmentation_kept + self.min_margin_bytes
+
+    @property
+    def fragmentation_kept(self) -> int:
+        """Bytes kept free for fragmentation: the most seen in the window's steps."""
+        return max(self._gaps, default=0)
 
     def _budget_for(self, size: int) -> int:
         derived = max(0, self._headroom - self.reserve_for(size))
@@ -237,4 +241,4 @@ class DeviceMemoryBudget:
         self._prefix = []
         return MemoryReport(min_budget_bytes=self._min_budget, predicted_transient_bytes=predicted,
                             transient_bytes=transient, tightened=tightened,
-                            safety=self.safety, fragmentation_bytes=max(self._gaps, default=0))
+                            safety=self.safety, fragmentation_bytes=self.fragmentation_kept)

@@ -196,7 +196,7 @@ class Profiler:
         """The copy engine's ``stall_slot``: called once per wait, as the wait is counted (the
         ``k``-th call since the last ``finish`` is the ``k``-th of the stalls given to it)."""
         self._waits_seen += 1
-        return len(self.nbytes) + len(self.used)
+        return self.current_slot()
 
     def apart_mark(self) -> tuple[int, float]:
         """Where the step's time apart from compute stands now: (waits counted so far, host
