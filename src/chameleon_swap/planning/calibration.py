@@ -51,9 +51,10 @@ def dominates(a, pa, b, pb) -> bool:
     in every respect the model is sure of: a quiet mix (``moving``: it keeps and fully
     recomputes blocks and copies nothing), each block kept where ``b`` keeps or recomputes it,
     fitting its budget with no forced copies and no more stall predicted. Such a mix cannot run
-    slower but by noise: on the CPU demo (HF Llama 128x8 at 25%, a busy 2-core machine) a size that ran one
-    block kept and seven full, nothing moved, was moved to all eight full by one step that read
-    123 ms where its others read 89, and all full then ran 1.01-1.35x of checkpointing's step."""
+    slower but by noise: on the CPU demo (HF Llama 128x8 at 25%, a busy 2-core machine) a size
+    that ran one block kept and seven full, nothing moved, was moved to all eight full by one
+    step that read 123 ms where its others read 89, and all full then ran 1.01-1.35x of
+    checkpointing's step."""
     return (a != b and all(COST_RANK[x] <= COST_RANK[y] for x, y in zip(a, b))
             and not moving(a, pa) and pa.budget_ok and not pa.forced_offloads
             and pa.stall_seconds <= pb.stall_seconds)

@@ -252,7 +252,8 @@ class BlockModes(SizePlans):
         again at every change of it churned a test's mix away from the one that ran fastest.)"""
         if plan is None or plan.key != self.key or not plan.views_version:
             return False
-        return plan.views_version[0] != self.key and plan.views_version != self.view_stamp(self.key)
+        src = plan.views_version[0]
+        return src != self.key and plan.views_version != self.view_stamp(self.key)
 
     def _learn(self, profile, calls: list, kept: bool) -> None:
         """What a step not slowed by pinning teaches: its mix's time, its view, the ratios."""

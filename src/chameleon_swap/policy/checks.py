@@ -213,10 +213,10 @@ def check_step(policy, profile, applied, mode_plan, predicted) -> None:
         # another size's where a nearer one is there now: the size is planned again
         # (``BlockModes.end_step``: at once where the view was another size's, through the
         # view's own correction otherwise), and a compute factor measured against the old
-        # prediction would correct it twice. Measured on an H100 (HF Llama 4096x8): a size whose first
-        # plans came from the slow first step missed twice, the warm view planned it right,
-        # and the factor of 0.25 on top made it predict 0.11 s for steps of 0.44 s. Only the
-        # view a plan was made from counts: when any view's change did (one version for all),
+        # prediction would correct it twice. Measured on an H100 (HF Llama 4096x8): a size
+        # whose first plans came from the slow first step missed twice, the warm view planned
+        # it right, and the factor of 0.25 on top made it predict 0.11 s for steps of 0.44 s.
+        # Only the view a plan was made from counts: when any view's change did (one for all),
         # on the CPU's hybrid benchmark 60% of the steps went unchecked, half of them 10% or
         # more off their prediction (on an H100 a 6k-token mix of the GPU demo ran 5-8x its
         # prediction for seven visits and was never planned again; that run did not record

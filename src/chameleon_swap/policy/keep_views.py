@@ -61,9 +61,9 @@ class Views(dict):
     size, the version its view was set at (``stamps``: a plan records the stamp of the view it
     was made from, ``SizePlans.view_stamp``, checked by ``checks.check_step``), and the shapes
     of the model's parameters of two or more dimensions, each also reversed (``param_shapes``,
-    set by the engine): a saved tensor of such a shape is a copy of a parameter (autocast saves its casts of
-    the weights, a linear layer's transposed), the same size at every sequence length, as is a
-    scalar (see ``scaled``)."""
+    set by the engine): a saved tensor of such a shape is a copy of a parameter (autocast saves
+    its casts of the weights, a linear layer's transposed), the same size at every sequence
+    length, as is a scalar (see ``scaled``)."""
     version = 0
     param_shapes: frozenset = frozenset()
 
