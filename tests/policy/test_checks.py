@@ -123,7 +123,7 @@ def test_a_miss_of_a_plan_from_views_changed_since_corrects_nothing_and_counting
     # second miss then scaled that plan's compute by 0.25 (measured over the old prediction),
     # and it predicted 0.11 s for steps of 0.44 s. A plan carries its views' version.
     from types import SimpleNamespace as NS
-    profile = NS(step_seconds=0.44, extra={}, waits=[])
+    profile = NS(step_seconds=0.44, extra={}, waits=[], blocks=[])
     pol = _fake_policy(views_version=3)
     pol.modes.input_bytes = 100
     pol.ex = NS(stats=NS(offloaded_tensors=0))
@@ -140,6 +140,24 @@ def test_a_miss_of_a_plan_from_views_changed_since_corrects_nothing_and_counting
     checks.check_step(pol, NS(step_seconds=0.44, extra={"host_alloc_seconds": 0.3}), None,
                       plan, predicted=2.8)
     assert pol.checks.misses[("modes", 5)] == 1
+
+
+def test_a_step_s_timed_recomputes_are_left_out_of_its_compute_correction():
+    # The real-clock twin: test_mixes_are_ranked_by_what_they_ran_at_on_the_emulated_link
+    # (tests/policy/test_block_modes.py), whose recomputes sleep.
+    from types import SimpleNamespace as NS
+    pol = _fake_policy(views_version=0)
+    pol.modes.input_bytes = 100
+    pol.ex = NS(stats=NS(offloaded_tensors=0))
+    plan = NS(input_bytes=100, hybrid=NS(predicted=NS(total_seconds=0.112, stall_seconds=0.0),
+                                         recompute_seconds=0.012))
+    slow = [NS(mode="full", recompute_seconds=0.041) for _ in range(4)] + [NS(mode="keep")]
+    step = NS(step_seconds=0.220, blocks=slow)
+    # The recomputes ran 164 ms where 12 were predicted; the rest ran 56 ms against 100.
+    assert checks._step_factor(pol, plan, step, 0.0) == pytest.approx(0.056 / 0.100)
+    # Recomputes not timed (a lightweight step): the whole step, as before.
+    untimed = NS(step_seconds=0.220, blocks=[NS(mode="full", recompute_seconds=None)] * 4)
+    assert checks._step_factor(pol, plan, untimed, 0.0) == pytest.approx(0.220 / 0.112)
 
 
 def test_a_correction_is_what_the_misses_agree_on_not_one_step():

@@ -35,21 +35,20 @@ predicted slower than any of them (as the search plans their swaps) where it fit
 fits, the one with the smallest peak is chosen (the policy then warns), never all kept.
 
 A model is a model: mixes it ranks close can run far apart (4-block HF Llama, 25%, emulated link:
-one block kept and three recomputed, predicted within 5% of all four recomputed, ran 10-15%
-slower). So a mix that ran at this size is ranked by the step time it ran at (``measured``) and is
-always a candidate; two or more that ran calibrate those that did not (the least ratio of measured
-over predicted among them; for a mix that copies or selects, among those that did: ``calibration``).
-The mix a size runs (``incumbent``) stays unless another is ``SWITCH_GAIN`` faster, or it copies
-or recomputes selectively and ran that much above its own prediction (a quiet mix's miss is the
-compute's, every mix's alike: the emulated-link benchmark at 50% left (2, 0, 2), 0.165-0.168 s,
-for (2, 2, 0) predicted 0.154 s, ran 0.23); a quiet one that does no more work than the best
-stays whatever it ran (``dominates``). The model's parts most often wrong are the link and what
-a mix holds (an 8-block HF Llama on the emulated link: keep 5, recompute 3, predicted 53 ms, ran
-62; all full predicted 60, ran 54; a 4-block one at 50%: all selective predicted to fit, the
-guard moved 7.6 MiB, it ran 1.7x of the plain step, PyTorch's selective 1.09x). So the best
-other mix scored of those the model is surest of (kept and fully recomputed blocks only,
-nothing moved) that fits and never ran comes with the winner (``HybridPlan.fallback``), for the
-policy to run beside it.
+one block kept and three recomputed, predicted within 5% of all four, ran 10-15% slower). So a mix
+that ran at this size is ranked by the step time it ran at (``measured``) and is always a candidate;
+two or more that ran calibrate those that did not (the least ratio of measured over predicted among
+them; for a mix that copies or selects, among those that did: ``calibration``). The mix a size runs
+(``incumbent``) stays unless another is ``SWITCH_GAIN`` faster, or it copies or recomputes
+selectively and ran that much above its own prediction (a quiet mix's miss is the compute's, every
+mix's alike: the emulated-link benchmark at 50% left (2, 0, 2), 0.165-0.168 s, for (2, 2, 0)
+predicted 0.154 s, ran 0.23); a quiet one that does no more work than the best stays whatever it ran
+(``dominates``). The model's parts most often wrong are the link and what a mix holds (an 8-block HF
+Llama on the emulated link: keep 5, recompute 3, predicted 53 ms, ran 62; all full predicted 60, ran
+54; a 4-block one at 50%: all selective predicted to fit, the guard moved 7.6 MiB, it ran 1.7x of
+the plain step, PyTorch's selective 1.09x). So the best other mix scored of those the model is
+surest of (kept and fully recomputed blocks only, nothing moved) that fits and never ran comes with
+the winner (``HybridPlan.fallback``), for the policy to run beside it.
 
 Host memory is bounded too (``host_limit``: the room of the host arena, ``host_memory_limit``):
 every byte a plan copies out holds a host buffer until backward releases its tensor, so a mix
@@ -72,8 +71,8 @@ SWITCH_GAIN = 0.10               # leave a mix for one this much faster only (5%
 ROUGH_EVALS = 12          # swap-planner simulations per mix while the search ranks mixes,
 REFINED = 2               # then this many of the best are planned again with QUICK_EVALS
 HOPELESS = 0.10           # a family whose ends are this much slower than the best is skipped
-QUICK_EVALS = 48          # a careful plan's simulations (at 24 a 4-block Llama's full mix
-                          # found no swap set that fits, and the search kept everything)
+QUICK_EVALS = 48          # a careful plan's simulations (24 found no swap set fitting a
+                          # 4-block Llama's full mix, and the search kept everything)
 
 
 @dataclass(frozen=True)
@@ -85,8 +84,7 @@ class Block:
     selective_bytes: Optional[int] = None      # kept by selective checkpointing (None: unknown)
     selective_seconds: Optional[float] = None  # recompute time of selective (None: unknown)
     eligible: bool = True              # False: left as the user wrote it (always keep)
-    kept_seconds: Optional[float] = None   # its forward as measured kept, when that is more
-                                           #   than ``forward_seconds`` (see apply_modes)
+    kept_seconds: Optional[float] = None   # its kept forward, where above forward_seconds
 
     def __post_init__(self) -> None:
         if not 0 <= self.first_span <= self.end_span:
@@ -106,6 +104,7 @@ class HybridPlan:
     swap: Plan                         # the swap plan over ``profile`` (predicted filled in)
     working_set: tuple[int, ...]       # per block: bytes held while its recompute + backward run
     fallback: Optional["HybridPlan"] = None   # see plan_hybrid
+    recompute_seconds: float = 0.0     # of its recomputes, in ``profile`` (checked apart)
 
     @property
     def predicted(self) -> Prediction:
@@ -257,7 +256,9 @@ def _made(view: Profile, blocks, modes, swap: Plan, keep_view: Optional[Profile]
     base = keep_view if keep_view is not None else view
     ws = tuple(working_set(base, blk) if m != "keep" and blk.eligible else 0
                for blk, m in zip(blocks, modes))
-    return HybridPlan(modes=tuple(modes), profile=view, swap=swap, working_set=ws)
+    rec = sum(b.forward_seconds if m == "full" else b.selective_seconds for b, m, w in
+              zip(blocks, modes, ws) if w)
+    return HybridPlan(tuple(modes), view, swap, ws, recompute_seconds=rec)
 
 
 class _ModeSearch:
@@ -268,8 +269,7 @@ class _ModeSearch:
     def __init__(self, profile: Profile, blocks: Sequence[Block], budget: int,
                  host_limit: Optional[int] = None,
                  measured: Optional[Mapping[tuple, float]] = None) -> None:
-        self.pr, self.blocks, self.budget = profile, list(blocks), budget
-        self.host_limit = host_limit
+        self.pr, self.blocks, self.budget, self.host_limit = profile, [*blocks], budget, host_limit
         self.measured = {tuple(m): t for m, t in (measured or {}).items()
                          if t > 0 and self.can_run(m)}
         self.calibration = (1.0, 1.0)   # quiet, moving mixes that did not run (see run)
