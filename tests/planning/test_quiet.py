@@ -46,8 +46,10 @@ def test_it_moves_nothing_and_fits_where_the_full_search_would_copy():
     assert qp.profile == apply_modes(fast, blocks, qp.modes)
     assert qp.swap.predicted == simulate(qp.profile, Plan(frozenset()), budget)
     assert all((w > 0) == (m == "full") for w, m in zip(qp.working_set, qp.modes))
-    # Never behind the fallback the full search carries (the best quiet mix it scored).
-    assert qp.predicted.total_seconds <= hp.fallback.predicted.total_seconds * (1 + 1e-9)
+    # Never behind the fallback the full search carries where that moves nothing (the best
+    # quiet mix it scored; a fallback may copy a few saves, calibration.light).
+    if not hp.fallback.predicted.moved_bytes:
+        assert qp.predicted.total_seconds <= hp.fallback.predicted.total_seconds * (1 + 1e-9)
     # The blocks it recomputes come first in the conversion order or in its reverse.
     order = conversion_order(fast, blocks)
     k = qp.modes.count("full")

@@ -31,6 +31,24 @@ def moving(modes, predicted) -> bool:
     return bool(predicted.moved_bytes) or "selective" in modes
 
 
+LIGHT_SHARE = 0.05      # a fallback may copy for this share of its predicted step on the link
+
+
+def light(modes, predicted, bytes_per_s: float, unavoidable: int) -> bool:
+    """Whether a mix is quiet but for copies no mix avoids: no block recomputed selectively, and
+    it moves no more than ``unavoidable`` (what all full moves: the least saved), within
+    ``LIGHT_SHARE`` of its predicted step on the link (``bytes_per_s``, its slower direction).
+    Such a mix can stand as a plan's fallback (``HybridPlan.fallback``). Where a budget leaves
+    room for little but recomputed blocks' inputs, all full still copies saves no recompute
+    drops (a Llama's logits): on the emulated link, HF Llama 256x4 at 25% and 384 tokens, it
+    moved 0.5 MB, predicted 0.21-0.24 s and ran 0.21-0.25 s. Counted as moving, it was no
+    fallback, and a size whose first plan kept every block and moved 26 MB stayed there, at
+    0.30-0.35 s a step, in one run of three: nothing ran the mix that was faster."""
+    moved = predicted.moved_bytes
+    return ("selective" not in modes and moved <= unavoidable
+            and moved <= LIGHT_SHARE * predicted.total_seconds * bytes_per_s)
+
+
 def calibrations(ran: Iterable[tuple[bool, float]]) -> tuple[float, float]:
     """(quiet, moving): the factors a quiet and a moving mix that did not run are read at, from
     ``(moving, measured / predicted)`` of each mix that ran."""

@@ -47,21 +47,21 @@ predicted 0.154 s, ran 0.23); a quiet one that does no more work than the best s
 Llama on the emulated link: keep 5, recompute 3, predicted 53 ms, ran 62; all full predicted 60, ran
 54; a 4-block one at 50%: all selective predicted to fit, the guard moved 7.6 MiB, it ran 1.7x of
 the plain step, PyTorch's selective 1.09x). So the best other mix scored of those the model is
-surest of (kept and fully recomputed blocks only, nothing moved) that fits and never ran comes with
-the winner (``HybridPlan.fallback``), for the policy to run beside it.
+surest of (kept and fully recomputed blocks, next to nothing moved: ``calibration.light``) that
+fits and never ran comes with the winner (``HybridPlan.fallback``), for the policy to run beside it.
 
 Host memory is bounded too (``host_limit``: the room of the host arena, ``host_memory_limit``):
-every byte a plan copies out holds a host buffer until backward releases its tensor, so a mix
-whose predicted copies (``moved_bytes``) exceed it would fail the step. Such mixes rank after
-every mix within host room, the least over first: the search recomputes more instead. When no
-mix keeps its copies within host room, the one that moves least is chosen (the policy warns).
+every byte a plan copies out holds a host buffer until backward releases its tensor, so a mix whose
+predicted copies (``moved_bytes``) exceed it would fail the step. Such mixes rank after every mix
+within host room, the least over first: the search recomputes more instead. When no mix keeps its
+copies within host room, the one that moves least is chosen (the policy warns).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Sequence
 
-from .calibration import calibrations, dominates, moving
+from .calibration import calibrations, dominates, light, moving
 from .ladder import best_count
 from .swaps import plan as plan_swaps
 from .timeline import Plan, Prediction, Profile, Span, unmoved_peak
@@ -206,21 +206,20 @@ def full_recompute_modes(blocks: Sequence[Block]) -> tuple[str, ...]:
 
 
 def plan_hybrid(profile: Profile, blocks: Sequence[Block], budget: Optional[int], *,
-                max_evals: Optional[int] = None,
-                host_limit: Optional[int] = None,
+                max_evals: Optional[int] = None, host_limit: Optional[int] = None,
                 measured: Optional[Mapping[tuple, float]] = None,
                 incumbent: Optional[tuple] = None) -> HybridPlan:
-    """Block modes and swap set with the least predicted step time under ``budget``, copying
-    out at most ``host_limit`` bytes where any mix can (None: host memory is not bounded).
+    """Block modes and swap set with the least predicted step time under ``budget``, copying out at
+    most ``host_limit`` bytes where any mix can (None: host memory is not bounded).
 
     Nothing is recomputed or moved when the keep view's unmoved peak fits. ``max_evals`` bounds
     the swap planner's simulations for the final plan (its default otherwise). ``measured``:
     step seconds that mixes (modes per block) were measured to run at this size; such a mix is
     ranked by what it ran, not by what the model predicts of it, and is always a candidate.
-    ``incumbent``: the mix the size runs now; it stays unless another is ``SWITCH_GAIN``
-    faster (a new mix costs steps of its own: its first swap plans are the guard's and made
-    from estimates). The winner carries a ``fallback`` where the search scored another mix
-    that moves nothing, recomputes nothing selectively and fits (see the module docstring)."""
+    ``incumbent``: the mix the size runs now; it stays unless another is ``SWITCH_GAIN`` faster
+    (a new mix costs steps of its own: its first swap plans are the guard's and made from
+    estimates). The winner carries a ``fallback`` where the search scored another mix that moves
+    next to nothing, recomputes nothing selectively and fits (module docstring)."""
     keep = tuple("keep" for _ in blocks)
     if budget is None or unmoved_peak(profile) <= budget:
         return _made(profile, blocks, keep, plan_swaps(profile, budget))   # (moves nothing)
@@ -234,9 +233,10 @@ def plan_hybrid(profile: Profile, blocks: Sequence[Block], budget: Optional[int]
     quick = search.plans[best]
     swap = final if search.key(final.predicted, best) <= search.key(quick.predicted, best) else quick
     made = _made(search.view(best), blocks, best, swap, profile)
+    lit = (min(profile.d2h_bytes_per_s, profile.h2d_bytes_per_s),     # (all full moves what
+           search._plan(full_recompute_modes(blocks)).predicted.moved_bytes)  # no mix avoids)
     quiet = [m for m, p in search.plans.items() if m != best and m not in search.measured
-             and not moving(m, p.predicted)
-             and search.key(p.predicted, m)[:3] == (0, False, 0)]
+             and light(m, p.predicted, *lit) and search.key(p.predicted, m)[:3] == (0, False, 0)]
     if quiet:
         fb = min(quiet, key=lambda m: (search.score(m), m))
         fallback = _made(search.view(fb), blocks, fb, search.plans[fb], profile)

@@ -18,8 +18,9 @@ step's size.
   them (``fruitless``): on the CPU demo each was 40-80 ms on 50-70 ms steps.
 * What ran outranks what was predicted (``mix_runs``): mixes that ran are ranked by their step
   times, and a mix that copies, recomputes selectively or ran slower than predicted is checked
-  once per size against its plan's fallback (kept and full blocks, nothing moved); faster stays.
-  A quiet mix that keeps a block its fallback recomputes is not: only noise could favour that.
+  once per size against its plan's fallback (kept and full blocks, next to nothing moved);
+  faster stays. A quiet mix that keeps a block its fallback recomputes is not: only noise could
+  favour that.
 * Selective figures (what selective checkpointing keeps and costs) are measured, not assumed: the
   first time a plan recomputes a block fully and selective was never measured, one such block runs
   selective for one step; its held bytes and recompute time, against its keep-view figures, give

@@ -14,7 +14,7 @@ tried once looked untried and was tried again at every plan; kept, it made a mix
 afterwards look worse than it was (HF Llama 256x4 at 50%: a first step of 468 ms beside steady
 ones of 347 ms, and the size left the mix).
 
-A plan's fallback (``HybridPlan.fallback``: the best other mix that moves nothing) is run
+A plan's fallback (``HybridPlan.fallback``: the best other mix moving next to nothing) is run
 against the mix the plan chose once per size (``Trials``); after its third step (the faster of
 its second and third) the faster stays, by more than ``SWITCH_GAIN`` (one step's time varies by
 10-30% on a shared CPU). Before any step after the engine's first was timed, a plan that copies
@@ -141,8 +141,8 @@ def source(p: Optional[ModePlan], key: Optional[int], visits: dict) -> Optional[
 def until_warm(hp, warm: bool):
     """The mix to run of mode plan ``hp``: where compute was timed on the engine's first step
     alone (not ``warm``) and the plan copies or recomputes selectively, its fallback (kept and
-    full blocks, nothing moved), where it has one. A first step runs slow (warm-up: on an H200
-    the demo's first plain step ran 2.6x its later time); planned from it, copies looked
+    full blocks, next to nothing moved), where it has one. A first step runs slow (warm-up: on
+    an H200 the demo's first plain step ran 2.6x its later time); planned from it, copies looked
     hidden, and the engine kept every block and moved the rest for ten steps at 3-9x
     checkpointing's step time. Also not ``warm``: a plan made from another size's view, scaled
     (on the CPU demo such a plan kept three blocks and moved 3.9 MB, predicted 60-67 ms, and ran
