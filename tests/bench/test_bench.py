@@ -365,8 +365,12 @@ def test_demo_end_to_end(tmp_path, capsys, monkeypatch):
     assert len(s["steps"]) == 2 * 5 and {x["workload"] for x in s["steps"]} == {"llama-varlen", "moe"}
     assert all(x["peak_resident_bytes"] <= s["budget_bytes"] for x in s["steps"])
     assert s["overhead_ratio"] > 0 and s["sequence_changes"] >= 1
+    wall = s["wall_seconds"]
+    assert 0 < wall["swapping"] < wall["total"] and 0 < wall["choice"] < wall["total"]
+    assert wall["total"] == pytest.approx(wall["swapping"] + wall["choice"])
     screen = capsys.readouterr().out
     assert "budget held on every step" in screen and "losses identical" in screen
+    assert f"the demo took {wall['total']:.0f} s" in screen
     # The header states the budget's share of each workload's own peak, not only of the larger.
     header = screen.splitlines()[1]
     for name, w in s["workloads"].items():
