@@ -367,6 +367,28 @@ def test_mixes_are_ranked_by_what_they_ran_at_on_the_emulated_link():
     assert max(last) < most, [s.block_modes for s in history]
 
 
+def test_a_size_whose_steps_pin_every_visit_is_still_checked(monkeypatch):
+    # Every step reads as slowed by pinning (the host arena allocating through it: mocked here,
+    # the rest is the real clock and the emulated link). Only the first of such a row is left
+    # out; before, none was checked or learnt from, and the size ran its first plan for good
+    # (all four blocks recomputed, each recompute sleeping 40 ms, where keeping them ran
+    # faster). As the test above, it leaves recomputing.
+    from chameleon_swap.policy import checks
+    monkeypatch.setattr(checks, "pinned", lambda profile: bool(profile.step_seconds))
+    torch.manual_seed(0)
+    model = CheapNet()
+    for i, blk in enumerate(model.blocks):
+        model.blocks[i] = SlowRecompute(64)
+        model.blocks[i].load_state_dict(blk.state_dict())
+    batches = [(randn(4, 2048, 64, seed=0),)] * 16
+    history, _, _ = compare(model, batches, 0.4, model_kwarg=True, emulate_link="1GB/s",
+                            min_tensor_bytes=2**16, plan_in_background=False)
+    assert any(s.block_modes[2] > 0 for s in history[:4]), [s.block_modes for s in history]
+    assert any(s.plan_source == "replanned" for s in history), [s.plan_source for s in history]
+    last = [s.block_modes[2] for s in history[-3:]]
+    assert max(last) < max(s.block_modes[2] for s in history), [s.block_modes for s in history]
+
+
 # --------------------------------------------------------------------------- the fallback
 def _scripted_modes():
     """A BlockModes with one size (key 5) planned on a fast link: every block kept, its copies

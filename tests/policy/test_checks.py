@@ -114,7 +114,7 @@ def _fake_policy(views_version: int):
     def replan(*a, **kw):
         raise AssertionError("no correction was due")
     modes = NS(key=5, plans={}, replan=replan, view_stamp=lambda key: (key, views_version))
-    return NS(checks=PlanChecks(), modes=modes)
+    return NS(checks=PlanChecks(), modes=modes, pinned_step=False)
 
 
 def test_a_miss_of_a_plan_from_views_changed_since_corrects_nothing_and_counting_restarts():
@@ -136,10 +136,27 @@ def test_a_miss_of_a_plan_from_views_changed_since_corrects_nothing_and_counting
     plan.views_version = (5, 3)                     # made from the view as it is: counted
     checks.check_step(pol, profile, None, plan, predicted=2.8)
     assert pol.checks.misses[("modes", 5)] == 1
-    # A step slowed by pinning is not a miss either.
-    checks.check_step(pol, NS(step_seconds=0.44, extra={"host_alloc_seconds": 0.3}), None,
-                      plan, predicted=2.8)
+    # A step slowed by pinning is not a miss either (the first of a row: ``exempt``).
+    slowed = NS(step_seconds=0.44, extra={"host_alloc_seconds": 0.3}, signature="s", blocks=[])
+    pol.pinned_step = pol.checks.exempt(slowed, 5)
+    checks.check_step(pol, slowed, None, plan, predicted=2.8)
     assert pol.checks.misses[("modes", 5)] == 1
+
+
+def test_only_the_first_of_a_row_of_steps_that_pinned_is_exempt():
+    # The real-clock twin: test_a_size_whose_steps_pin_every_visit_is_still_checked
+    # (tests/policy/test_block_modes.py).
+    from types import SimpleNamespace as NS
+    slow = NS(step_seconds=0.5, extra={"host_alloc_seconds": 0.3}, signature="a")
+    fine = NS(step_seconds=0.5, extra={}, signature="a")
+    c = PlanChecks()
+    assert c.exempt(slow, 5)                 # a first visit that pinned: its own
+    assert not c.exempt(slow, 5)             # ... pinning again: what the plan costs
+    assert not c.exempt(slow, 5)
+    assert c.exempt(slow, 6)                 # another size counts apart
+    assert not c.exempt(fine, 5) and c.exempt(slow, 5)   # a clean step ends the row
+    assert c.exempt(slow) and not c.exempt(slow)         # without model=: by signature
+    assert c.exempt(NS(step_seconds=0.5, extra={"host_alloc_seconds": 0.3}, signature="b"))
 
 
 def test_a_step_s_timed_recomputes_are_left_out_of_its_compute_correction():

@@ -12,7 +12,8 @@ step's size.
 * Keep views (``keep_views``): the step as it is with every block kept, measured on a detailed
   step that ran so (the very first step does), else the nearest one scaled to the size. Timed
   steps in other mixes correct the view its size plans from, and the size is planned again. A
-  step slowed by the host arena's pinning (``checks.pinned``) teaches nothing but a first view.
+  step slowed by the host arena's pinning (``checks.pinned``) teaches nothing but a first view
+  (the first of a row: a size whose steps pin every visit pays it, ``PlanChecks.exempt``).
   Planning again is rationed to ``PLANNING_SHARE`` of the steps' time (a thaw's plans are
   free), and a size whose replans keep choosing its mix waits 2, 4, 8... of its steps between
   them (``fruitless``): on the CPU demo each was 40-80 ms on 50-70 ms steps.
@@ -43,7 +44,8 @@ from typing import Callable, Optional
 from ..planning.modes import working_set
 from ..planning.signatures import step_size
 from . import keep_views
-from .checks import MISS, pinned  # MISS: a mix that ran this much slower than planned: again
+from . import checks
+from .checks import MISS   # a mix that ran this much slower than planned: planned again
 from .keep_views import KeepView, scaled
 from .mix_runs import ModePlan, MixRuns, Trials, moved, source, upsized
 from .size_plans import Job, SizePlans
@@ -217,8 +219,10 @@ class BlockModes(SizePlans):
         return None if key is None else self.views[key]
 
     # ------------------------------------------------------------------ step end
-    def end_step(self, profile, calls: list, ok: bool) -> None:
-        """Learn from the step: a keep view, selective figures; plan its key when needed."""
+    def end_step(self, profile, calls: list, ok: bool, pinned: Optional[bool] = None) -> None:
+        """Learn from the step: a keep view, selective figures; plan its key when needed.
+        ``pinned``: the step is left out for its pinning (``PlanChecks.exempt``; None: whether
+        it pinned, ``checks.pinned``)."""
         if not ok or self.budget is None or self.key is None or not calls:
             return
         self.visits[self.key] = self.visits.get(self.key, 0) + 1
@@ -226,7 +230,7 @@ class BlockModes(SizePlans):
         seen: set = set()                    # the first call of each block (one per step)
         calls = [c for c in calls if not (c.block in seen or seen.add(c.block))]
         kept = profile.detailed and all(c.mode == "keep" for c in calls)
-        if not pinned(profile):
+        if not (checks.pinned(profile) if pinned is None else pinned):
             self._learn(profile, calls, kept)
         elif kept and not self.views:       # slow for its pinning: a first view, cold, at most
             self._learn_view(profile, calls, cold=True)

@@ -29,7 +29,7 @@ from ..runtime.executor import HOST, OFFLOADING, RESIDENT, Executor, Record
 from .guard import GuardPolicy
 from .block_modes import COLD_STEPS, BlockModes
 from .host_room import HostRoom
-from .checks import PlanChecks, check_step, pinned
+from .checks import PlanChecks, check_step
 from ..planning.cache import DEFAULT_PLAN_CACHE_SIZE, PlanCache, PlanEntry, compile_plan
 
 RECENT_STEPS = 4          # an estimated plan used this recently earns a detailed step
@@ -69,9 +69,8 @@ class ChameleonPolicy:
         self._taken: set[int] = set()       # spans matched in fuzzy mode
         self._kept: deque[Record] = deque()   # records the plan keeps resident (earliest first)
         self._pending: list[int] = []       # spans whose copy back found no room yet
-        self._ended_forward = False
         self._applied: Optional[PlanEntry] = None
-        self._fuzzy_used = False
+        self._ended_forward = self._fuzzy_used = self.pinned_step = False   # (the last: exempt)
         self._plan_bytes = 0                # matched spans: their bytes in the plan ...
         self._step_bytes = 0                # ... and this step's bytes of the same tensors
         self._fuzzy_moved = 0               # bytes moved on a fuzzily matched plan's word
@@ -285,6 +284,7 @@ class ChameleonPolicy:
         return self.checks.link or self.bandwidth_fn()
 
     def end_step(self, profile=None) -> None:
+        self.pinned_step = profile is not None and self.checks.exempt(profile, self.modes.key)
         self.guard.end_step()
         self.host_room.end_step()
         applied = self._applied
@@ -325,7 +325,7 @@ class ChameleonPolicy:
             self._prev_sig = profile.signature
         if profile is not None and profile.blocks:
             t0 = time.perf_counter()         # mode planning counts as planning time too
-            self.modes.end_step(profile, profile.blocks, ok=True)
+            self.modes.end_step(profile, profile.blocks, ok=True, pinned=self.pinned_step)
             self.planner_seconds += time.perf_counter() - t0
         if profile is not None and self.ex.budget is not None:
             check_step(self, profile, applied, mode_plan, predicted)
@@ -390,7 +390,7 @@ class ChameleonPolicy:
         tl = replace(profile.to_timeline(d2h, h2d), move_seconds=self.checks.move_seconds())
         tl_plan = make_plan(tl, self.ex.budget)
         entry = compile_plan(profile, tl_plan, self.step_no)
-        if pinned(profile):      # timed while pinning: planned again, and it predicts nothing
+        if self.pinned_step:     # timed while pinning: planned again, and it predicts nothing
             entry.detailed, entry.predicted_step_seconds = False, 0.0
         if profile.blocks:
             entry.modes = {}

@@ -10,6 +10,7 @@ from typing import Optional
 from ..planning.cache import DEFAULT_PLAN_CACHE_SIZE, PlanEntry
 from ..runtime.executor import RESIDENT, Executor, Record
 from .chameleon import ChameleonPolicy
+from .checks import pinned
 
 
 class StaticPolicy(ChameleonPolicy):
@@ -70,5 +71,6 @@ class StaticPolicy(ChameleonPolicy):
                         "plan_overrides": self.overrides}
         if (self.frozen is None and profile is not None and profile.detailed
                 and profile.n_forward > 0 and self.ex.budget is not None):
+            self.pinned_step = pinned(profile)   # (frozen from it, it predicts nothing)
             self.frozen = self._make(profile)
         self.step_no += 1
