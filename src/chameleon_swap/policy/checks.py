@@ -113,9 +113,10 @@ class PlanChecks:
         neither checked nor learnt from for its pinning (``pinned``): the first of a row of
         steps of its size or signature that pinned. A key whose steps pin visit after visit pays that on every step: it
         is what its plan costs, and left out every time, the plan was never checked. On an H100
-        (the GPU demo, HF Llama 2048x16) a 6k-token mix of selective blocks ran 1.25-2.18 s
-        for seven visits where 0.27 s was predicted, never planned again, and the capped
-        schedule's selective steps each waited about 1 s for the host arena."""
+        the capped schedule's selective steps each waited about 1 s for the host arena, and in
+        the GPU demo (HF Llama 2048x16) a 6k-token mix of selective blocks ran 1.25-2.18 s for
+        seven visits where 0.27 s was predicted and was never planned again (whether those
+        steps pinned, that run did not record)."""
         key, now = ("modes", size) if size is not None else profile.signature, pinned(profile)
         before, self.pinning[key] = self.pinning.get(key, False), now
         return now and not before
