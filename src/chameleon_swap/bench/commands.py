@@ -29,6 +29,9 @@ BASELINE_NAMES = ("none", "full-recompute", "selective-recompute", "save-on-cpu"
 # Steps of the demo's comparison with gradient checkpointing (24: with three lengths, the first
 # plans of each and the one made again once selective is measured fall in the first half).
 CHOICE_STEPS = 24
+# The demo's swapping workloads, steps each: 40 keep the whole demo within 90 s on the project's
+# busy 2-core CPU (60 took 89-93 s there on 2026-11-27, 71 s of it these workloads).
+DEMO_STEPS = 40
 
 # What --quick sweeps where the command line does not say otherwise, and the full defaults.
 QUICK = dict(workload=["llama-varlen"], baseline=["none", "full-recompute", "chameleon"],
@@ -40,7 +43,8 @@ FULL = dict(workload=list(WORKLOAD_NAMES), baseline=list(BASELINE_NAMES), budget
 def configure_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("out/demo"), metavar="DIR",
                    help="where summary.json and the figures go (default: out/demo)")
-    p.add_argument("--steps", type=int, default=60, help="steps per workload (default: 60)")
+    p.add_argument("--steps", type=int, default=DEMO_STEPS,
+                   help=f"steps per workload (default: {DEMO_STEPS})")
     p.add_argument("--size", default="small", help="workload size preset: tiny, small or gpu "
                    "(default: small)")
     p.add_argument("--device", default=None, help="'cpu' or 'cuda[:N]' (default: cuda if "

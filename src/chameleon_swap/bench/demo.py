@@ -27,7 +27,7 @@ from typing import Optional
 
 
 from ..config import format_bytes
-from .commands import CHOICE_STEPS
+from .commands import CHOICE_STEPS, DEMO_STEPS as DEFAULT_STEPS
 from . import choice as choice_leg
 from .env import environment, progress
 from .harness import SweepConfig, natural_peak, run_sweep, steps_per_workload
@@ -35,7 +35,6 @@ from .report import SOURCES, markdown, plot_choice
 
 WORKLOADS = ("llama-varlen", "moe")
 FRACTION = 0.30
-DEFAULT_STEPS = 60
 WARMUP = 2
 
 
