@@ -367,6 +367,24 @@ def test_mixes_are_ranked_by_what_they_ran_at_on_the_emulated_link():
     assert max(last) < most, [s.block_modes for s in history]
 
 
+def test_the_full_ratio_is_the_median_of_the_last_steps(monkeypatch):
+    # Its real-clock side: the two tests above (each recompute sleeps 40 ms, about 11x its
+    # kept forward: the bound of 4 held it at a third, and the mixes that ran then read every
+    # other mix, keeping every block included, at twice its prediction).
+    from chameleon_swap.policy import block_modes, keep_views
+    modes = block_modes.BlockModes(lambda: (1e13, 1e13))
+    ratios = iter([1.0, 1.0, 9.0, 1.1, None, 12.0, 12.0, 12.0])
+    monkeypatch.setattr(keep_views, "full_ratio", lambda *a: next(ratios))
+    got = []
+    for _ in range(8):
+        modes._learn_full([])
+        got.append(modes.full_seconds_ratio)
+    # A spike (9) moves it not at all; a step that measured none leaves it; a recompute slow on
+    # every step (12) moves it within three steps.
+    assert got == pytest.approx([1.0, 1.0, 1.0, 1.05, 1.05, 1.1, 9.0, 12.0])
+    assert keep_views.FULL_RATIO_CLAMP[1] >= 12
+
+
 def test_a_size_whose_steps_pin_every_visit_is_still_checked(monkeypatch):
     # Every step reads as slowed by pinning (the host arena allocating through it: mocked here,
     # the rest is the real clock and the emulated link). Only the first of such a row is left

@@ -55,6 +55,7 @@ REPLAN_MOVE_CHANGE = 0.3       # so does a cost of a move that changed by more t
 PLANNING_SHARE = 0.05           # planning again takes at most this share of the steps' time
 FIRST_PLANS_FALL_BACK = True    # plans from the first step's times run their fallback (size_plans)
 COLD_STEPS = 4                  # ... at most this many steps (then warm, whatever was timed)
+FULL_RATIOS_KEPT = 5            # steps whose full-recompute ratio the planner takes the median of
 
 
 class BlockModes(SizePlans):
@@ -67,6 +68,7 @@ class BlockModes(SizePlans):
         self.sel_bytes_ratio: Optional[float] = None    # selective held / keep saved
         self.sel_seconds_ratio: Optional[float] = None  # selective recompute / keep forward
         self.full_seconds_ratio: Optional[float] = None  # full recompute / keep forward
+        self._full_ratios: list[float] = []             # the last steps' (``_learn_full``)
         self._probe: Optional[int] = None               # block to run selective once
         self._probed = False
         self.eligible: list[bool] = []                  # per runner block (set by the engine)
@@ -341,11 +343,14 @@ class BlockModes(SizePlans):
                                                 self.input_bytes, cold, self.views.param_shapes)
 
     def _learn_full(self, calls: list) -> None:
-        """``keep_views.full_ratio``'s running mean for later plans (no key planned again: that
-        made a 12-step demo plan on most steps)."""
+        """``keep_views.full_ratio``, the median of the last ``FULL_RATIOS_KEPT`` steps', for
+        later plans (no key planned again: that made a 12-step demo plan on most steps). The
+        median: one step's spike (a recompute that a busy machine slowed) moves it not at all,
+        where a running mean took half of it; a recompute slow on every step moves it in three."""
         r = keep_views.full_ratio(self._view_near(self.input_bytes), calls, self.input_bytes)
-        old = self.full_seconds_ratio
-        self.full_seconds_ratio = old if not r else r if old is None else 0.5 * (r + old)
+        if r:
+            self._full_ratios = (self._full_ratios + [r])[-FULL_RATIOS_KEPT:]
+            self.full_seconds_ratio = statistics.median(self._full_ratios)
 
     def _learn_selective(self, calls: list) -> None:
         b, view = self.probing, self._view_near(self.input_bytes)
