@@ -347,20 +347,27 @@ class SlowRecompute(Cheap):
         return super().forward(x)
 
 
-def test_mixes_are_ranked_by_what_they_ran_at_on_the_emulated_link():
-    # On a link too slow to hide the copies the model recomputes (as in the test above), but
-    # here each recompute sleeps 40 ms, several times the stall swapping a block costs: the steps
-    # run far slower than predicted, and the sizes's mixes that ran are ranked by their step
-    # times. The engine leaves recomputing for what runs faster. (The real clock: the sleep is
-    # real and so are the emulated link's copies.)
+def _slow_recompute_run() -> list:
+    """The engine's history over 16 steps of a 4-block ``SlowRecompute`` net at 40% of its
+    peak on a 1 GB/s emulated link (bitwise and the budget checked by ``compare``)."""
     torch.manual_seed(0)
     model = CheapNet()
     for i, blk in enumerate(model.blocks):
         model.blocks[i] = SlowRecompute(64)
         model.blocks[i].load_state_dict(blk.state_dict())
     batches = [(randn(4, 2048, 64, seed=0),)] * 16
-    history, _, budget = compare(model, batches, 0.4, model_kwarg=True, emulate_link="1GB/s",
-                                 min_tensor_bytes=2**16, plan_in_background=False)
+    history, _, _ = compare(model, batches, 0.4, model_kwarg=True, emulate_link="1GB/s",
+                            min_tensor_bytes=2**16, plan_in_background=False)
+    return history
+
+
+def test_mixes_are_ranked_by_what_they_ran_at_on_the_emulated_link():
+    # On a link too slow to hide the copies the model recomputes (as in the test above), but
+    # here each recompute sleeps 40 ms, several times the stall swapping a block costs: the steps
+    # run far slower than predicted, and the sizes's mixes that ran are ranked by their step
+    # times. The engine leaves recomputing for what runs faster. (The real clock: the sleep is
+    # real and so are the emulated link's copies.)
+    history = _slow_recompute_run()
     assert any(s.block_modes[2] > 0 for s in history[:4]), [s.block_modes for s in history]
     last = [s.block_modes[2] for s in history[-3:]]
     most = max(s.block_modes[2] for s in history)
@@ -388,19 +395,12 @@ def test_the_full_ratio_is_the_median_of_the_last_steps(monkeypatch):
 def test_a_size_whose_steps_pin_every_visit_is_still_checked(monkeypatch):
     # Every step reads as slowed by pinning (the host arena allocating through it: mocked here,
     # the rest is the real clock and the emulated link). Only the first of such a row is left
-    # out; before, none was checked or learnt from, and the size ran its first plan for good
-    # (all four blocks recomputed, each recompute sleeping 40 ms, where keeping them ran
-    # faster). As the test above, it leaves recomputing.
+    # out; before, none was checked or learnt from, and a size could run its first plan for
+    # good (here: all four blocks recomputed, each recompute sleeping 40 ms, where keeping them
+    # runs faster). As the test above, it leaves recomputing.
     from chameleon_swap.policy import checks
     monkeypatch.setattr(checks, "pinned", lambda profile: bool(profile.step_seconds))
-    torch.manual_seed(0)
-    model = CheapNet()
-    for i, blk in enumerate(model.blocks):
-        model.blocks[i] = SlowRecompute(64)
-        model.blocks[i].load_state_dict(blk.state_dict())
-    batches = [(randn(4, 2048, 64, seed=0),)] * 16
-    history, _, _ = compare(model, batches, 0.4, model_kwarg=True, emulate_link="1GB/s",
-                            min_tensor_bytes=2**16, plan_in_background=False)
+    history = _slow_recompute_run()
     assert any(s.block_modes[2] > 0 for s in history[:4]), [s.block_modes for s in history]
     assert any(s.plan_source == "replanned" for s in history), [s.plan_source for s in history]
     last = [s.block_modes[2] for s in history[-3:]]

@@ -51,10 +51,10 @@ surest of (kept and fully recomputed blocks, next to nothing moved: ``calibratio
 fits and never ran comes with the winner (``HybridPlan.fallback``), for the policy to run beside it.
 
 Host memory is bounded too (``host_limit``: the room of the host arena, ``host_memory_limit``):
-every byte a plan copies out holds a host buffer until backward releases its tensor, so a mix whose
-predicted copies (``moved_bytes``) exceed it would fail the step. Such mixes rank after every mix
-within host room, the least over first: the search recomputes more instead. When no mix keeps its
-copies within host room, the one that moves least is chosen (the policy warns).
+every byte a plan copies out holds a host buffer until backward releases its tensor, so a mix
+whose predicted copies (``moved_bytes``) exceed it would fail the step. Such mixes rank after
+every mix within host room, the least over first: the search recomputes more instead. When no
+mix keeps its copies within host room, the one that moves least is chosen (the policy warns).
 """
 from __future__ import annotations
 
