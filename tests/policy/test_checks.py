@@ -157,6 +157,10 @@ def test_only_the_first_of_a_row_of_steps_that_pinned_is_exempt():
     assert not c.exempt(fine, 5) and c.exempt(slow, 5)   # a clean step ends the row
     assert c.exempt(slow) and not c.exempt(slow)         # without model=: by signature
     assert c.exempt(NS(step_seconds=0.5, extra={"host_alloc_seconds": 0.3}, signature="b"))
+    for key in (5, 6, None):                 # kept only while a key pins: no key left after
+        c.exempt(fine, key)
+    c.exempt(NS(step_seconds=0.5, extra={}, signature="b"))
+    assert not c.pinning
 
 
 def test_a_step_s_timed_recomputes_are_left_out_of_its_compute_correction():
