@@ -44,7 +44,6 @@ from typing import Callable, Optional
 from ..planning.modes import working_set
 from ..planning.signatures import step_size
 from . import keep_views
-from . import checks
 from .checks import MISS   # a mix that ran this much slower than planned: planned again
 from .keep_views import KeepView, scaled
 from .mix_runs import ModePlan, MixRuns, Trials, moved, source, upsized
@@ -221,10 +220,9 @@ class BlockModes(SizePlans):
         return None if key is None else self.views[key]
 
     # ------------------------------------------------------------------ step end
-    def end_step(self, profile, calls: list, ok: bool, pinned: Optional[bool] = None) -> None:
+    def end_step(self, profile, calls: list, ok: bool, pinned: bool) -> None:
         """Learn from the step: a keep view, selective figures; plan its key when needed.
-        ``pinned``: the step is left out for its pinning (``PlanChecks.exempt``; None: whether
-        it pinned, ``checks.pinned``)."""
+        ``pinned``: the step is left out for its pinning (``PlanChecks.exempt``)."""
         if not ok or self.budget is None or self.key is None or not calls:
             return
         self.visits[self.key] = self.visits.get(self.key, 0) + 1
@@ -232,7 +230,7 @@ class BlockModes(SizePlans):
         seen: set = set()                    # the first call of each block (one per step)
         calls = [c for c in calls if not (c.block in seen or seen.add(c.block))]
         kept = profile.detailed and all(c.mode == "keep" for c in calls)
-        if not (checks.pinned(profile) if pinned is None else pinned):
+        if not pinned:
             self._learn(profile, calls, kept)
         elif kept and not self.views:       # slow for its pinning: a first view, cold, at most
             self._learn_view(profile, calls, cold=True)

@@ -145,12 +145,11 @@ class SizePlans:
 
     def _job(self, key: int) -> Optional[Job]:
         """What planning ``key`` takes, as the policy knows it now (None: no view to plan from)."""
-        view = self.views.get(key)
-        measured = view is not None
-        if view is None:
-            view = self._view_near(self.input_bytes)
-            if view is None:
-                return None
+        stamp = self.view_stamp(key)            # (the view it plans from: found once)
+        if not stamp:
+            return None
+        view, measured = self.views[stamp[0]], stamp[0] == key
+        if not measured:
             view = scaled(view, self.input_bytes / max(1, view.input_bytes), self.input_bytes)
         f = self.compute_scale.get(key, 1.0)
         if f != 1.0:
@@ -172,7 +171,7 @@ class SizePlans:
         budget, trusted = self.budget - self.margin.get(key, 0), self.warm and measured
         args = (prof, blocks, budget, host, now, self.measured(key, view.block_ids), not trusted)
         return Job(args, list(view.block_ids), view.input_bytes, self.budget, measured, trusted,
-                   prof.move_seconds, self.view_stamp(key), host)
+                   prof.move_seconds, stamp, host)
 
     def _land(self, key: int, job: Job, hp) -> None:
         """Plan ``hp`` (``plan_size``'s, for ``job``) becomes ``key``'s."""
