@@ -4,7 +4,8 @@
     python benchmarks/hybrid.py --emulate-link 60MB/s [--label after]    # the CPU, a GPU's ratio
 
 ``--emulate-link BW`` (CPU only) runs the engines' copies at that bandwidth
-(``Chameleon(emulate_link=BW)``: the copy threads sleep, never the compute thread), so a 2-core
+(``Chameleon(emulate_link=BW)``: a copy is done when a link of that bandwidth would have carried
+its bytes; only a step that waits for one waits), so a 2-core
 CPU shows a GPU's ratio of bytes to compute: on an H100, swap only at 25% costs about 2x the
 plain step (its pinned link moves about 54 GB/s), and a BW for which swap@25% costs at least
 1.8x here reproduces that. The results then also say, per hybrid step, what its plan predicted

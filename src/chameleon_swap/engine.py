@@ -84,11 +84,13 @@ class Chameleon:
             with it, plans are not checked against the steps (``predicted_step_seconds`` is
             still reported), since the steps do not run on that link.
         emulate_link: CPU only. Makes every copy between "device" and "host" take as long as a
-            link of this bandwidth would (a number or ``"200MB/s"``): the copy threads sleep,
-            never the compute thread. A what-if and testing option: on a CPU, where a copy is a
-            memmove the step hides, it reproduces a GPU's ratio of bytes to compute, so stalls,
-            plans and the choice to recompute can be seen and tested. The planner then assumes
-            this bandwidth unless ``link_bandwidth`` says otherwise. None (default): plain copies.
+            link of this bandwidth would (a number or ``"200MB/s"``): the bytes move at once and
+            the copy counts as done when the link would have carried them, queued behind the
+            copies ahead of it (``copy/cpu.py``); a step waits only for a copy it needs. A
+            what-if and testing option: on a CPU, where a copy is a memmove the step hides, it
+            reproduces a GPU's ratio of bytes to compute, so stalls, plans and the choice to
+            recompute can be seen and tested. The planner then assumes this bandwidth unless
+            ``link_bandwidth`` says otherwise. None (default): plain copies.
         plan_in_background: with ``model=``, a step size's mode plan (the search over keep,
             selective and full per block) is made in a planner process, a plain Python process
             started at the first plan (no torch, no device; ended by ``close()``), while the

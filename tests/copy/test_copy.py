@@ -418,11 +418,10 @@ def test_copy_bytes_copies_exactly_and_refuses_what_it_cannot_copy():
 
 
 # ------------------------------------------------------------------ the emulated link
-def test_the_emulated_link_makes_copies_last_their_bytes_over_its_bandwidth():
-    import time
-
-    from chameleon_swap.copy.cpu import CpuCopyEngine
-    e = CpuCopyEngine(bytes_per_s=20e6)                     # 20 MB/s: 1 MB takes 50 ms
+@pytest.mark.parametrize("threads", [False, True], ids=["clock", "threads"])
+def test_the_emulated_link_makes_copies_last_their_bytes_over_its_bandwidth(threads):
+    # On the link's clock (the default) or on the copy threads (the ordering tests' way).
+    e = CpuCopyEngine(bytes_per_s=20e6, threads=threads)    # 20 MB/s: 1 MB takes 50 ms
     try:
         src = torch.arange(2**20, dtype=torch.int32).to(torch.uint8)
         dst = torch.empty_like(src)
@@ -431,7 +430,7 @@ def test_the_emulated_link_makes_copies_last_their_bytes_over_its_bandwidth():
         issued = time.perf_counter() - t0
         e.wait_host(ticket)
         took = time.perf_counter() - t0
-        assert issued < 0.02 < 0.045 <= took               # the copy thread sleeps, not the caller
+        assert issued < 0.02 < 0.045 <= took               # the caller waits only when it asks
         assert torch.equal(src, dst)
         back, t2 = e.fetch(dst, ticket)
         e.wait(t2)
@@ -449,7 +448,7 @@ def test_the_copy_threads_cpu_counts_their_copies_not_the_emulated_links_sleep()
     # 2 MB each way at 20 MB/s: the copies last 200 ms, their memmoves and Python a millisecond
     # or so. take_cpu counts the threads' CPU (part of what a move costs the step), not the
     # sleep, and taking resets it.
-    e = CpuCopyEngine(bytes_per_s=20e6)
+    e = CpuCopyEngine(bytes_per_s=20e6, threads=True)
     try:
         src = torch.arange(2 * 2**20, dtype=torch.int32).to(torch.uint8)
         dst = torch.empty_like(src)
@@ -463,6 +462,34 @@ def test_the_copy_threads_cpu_counts_their_copies_not_the_emulated_links_sleep()
     finally:
         e.close()
     assert make_copy_engine(torch.device("cpu")).take_cpu() == 0.0   # nothing copied yet
+
+
+def test_the_links_clock_queues_each_direction_and_orders_a_fetch_after_its_copy_out():
+    e = CpuCopyEngine(bytes_per_s=20e6)                     # the clock: no copy threads
+    try:
+        assert e.clocked and not isinstance(e._d2h, threading.Thread)
+        a, b = random_bytes(2**20, seed=1), random_bytes(2**20, seed=2)
+        ha, hb = torch.zeros_like(a), torch.zeros_like(b)
+        t0 = time.perf_counter()
+        ta, tb = e.offload(a, ha, None), e.offload(b, hb, None)
+        assert torch.equal(ha, a) and torch.equal(hb, b)    # the bytes moved at issue
+        assert not ta.done() and not tb.done()
+        assert tb.ready_at - ta.ready_at >= 0.05 - 1e-6     # the second queued behind the first
+        back, tc = e.fetch(hb, tb)                          # back only after b's copy out
+        assert tc.ready_at - tb.ready_at >= 0.05 - 1e-6
+        assert e.wait(tc) is True and time.perf_counter() - t0 >= 0.149
+        assert ta.done() and tb.done() and torch.equal(back, b)
+        assert e.take_cpu() == 0.0                          # the memmoves were the caller's
+        bad = e.offload(random_bytes(100), torch.zeros(10, dtype=torch.uint8), None)
+        with pytest.raises(RuntimeError, match="chameleon-swap copy failed"):
+            e.wait(bad)
+        _, after_bad = e.fetch(random_bytes(10), bad)
+        with pytest.raises(RuntimeError, match="depends on a failed copy"):
+            e.wait(after_bad)
+    finally:
+        e.close()
+    with pytest.raises(ValueError, match="threads=False needs bytes_per_s"):
+        CpuCopyEngine(threads=False)
 
 
 def test_emulate_link_is_checked_and_cpu_only():

@@ -1,4 +1,5 @@
-"""CPU copy engine: two worker threads stand in for the D2H and H2D copy streams.
+"""CPU copy engine: two worker threads stand in for the D2H and H2D copy streams (with an
+emulated link, its clock does: ``bytes_per_s`` below).
 
 "Device" and "host" are both RAM here, so nothing is saved in bytes; what this backend buys is the
 same asynchrony, ordering and lifetime rules as CUDA, exercised by every CPU test:
@@ -16,9 +17,20 @@ same asynchrony, ordering and lifetime rules as CUDA, exercised by every CPU tes
   worker CPU a move, where the compute thread's timed part was 0.16-0.20 ms and the step ran
   0.26-0.49 ms longer a move than with room to move nothing);
 * ``bytes_per_s`` (``Chameleon(emulate_link=...)``) makes every copy take as long as a link of
-  that bandwidth would: the worker copies, then sleeps the rest of ``nbytes / bytes_per_s``. Only
-  the copy threads sleep, never the compute thread, so a 2-core CPU reproduces a GPU's ratio of
-  bytes to compute (an H100's pinned link moves about 54 GB/s against its step's compute).
+  that bandwidth would, so a 2-core CPU reproduces a GPU's ratio of bytes to compute (an H100's
+  pinned link moves about 54 GB/s against its step's compute). The link is a clock
+  (``_Link``): the calling thread moves the bytes at once (a memmove), and the copy counts as done
+  when they would have crossed the link, queued behind the copies ahead of it in its direction.
+  Nothing sleeps but a thread that waits for a copy, as it would on a GPU. The copy threads
+  stand in for it only under ``delay_s`` (the ordering tests' hook): there the worker copies,
+  then sleeps the rest of ``nbytes / bytes_per_s``. Why a clock: on this project's 2-core CPU the
+  threads' hand-offs of the interpreter lock cost the compute thread more than the memmoves
+  (the demo's Llama at 25%, 80 moves a step, link made infinitely fast: 132-143 ms steps with
+  the threads, 109-111 ms with the memmoves on the compute thread, 84-97 ms moving nothing), a
+  cost a GPU's copy engines do not have. Paired in one process on 2026-11-27 (HF Llama 256x4,
+  384 tokens, 200 MB/s, swap only, two runs), over the plain step, threads then clock: 25% of
+  the peak 1.62x / 1.46x and 1.60x / 1.43x; 50% 1.37x / 1.25x and 1.30x / 1.17x; 75% 1.10x /
+  1.14x and 1.15x / 1.08x.
 """
 from __future__ import annotations
 
@@ -122,6 +134,55 @@ class _Worker(threading.Thread):
             ticket._finish(error)
 
 
+class _LinkTicket:
+    """A copy on the emulated link's clock: its bytes moved at issue, done at ``ready_at``
+    (``time.perf_counter``); ``error`` when the memmove failed (raised at the wait)."""
+    __slots__ = ("ready_at", "error")
+
+    def __init__(self, ready_at: float, error: Optional[str] = None) -> None:
+        self.ready_at = ready_at
+        self.error = error
+
+    def done(self) -> bool:
+        return self.error is not None or time.perf_counter() >= self.ready_at
+
+    def _block(self) -> None:
+        rest = self.ready_at - time.perf_counter()
+        if rest > 0 and self.error is None:
+            time.sleep(rest)
+
+
+class _Link:
+    """One direction of the emulated link as a clock: when its last copy ends, and what it has
+    carried since last taken (``busy``: bytes, seconds), as a worker keeps them."""
+
+    def __init__(self, bytes_per_s: float) -> None:
+        self.bytes_per_s = bytes_per_s
+        self.free_at = 0.0
+        self.lock = threading.Lock()
+        self.busy = [0, 0.0]
+        self.cpu = 0.0                # (the copies run on the calling thread: timed there)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None) -> _LinkTicket:
+        if after is not None:
+            if not isinstance(after, _LinkTicket):
+                after._block()        # (a ticket of another engine: wait for it)
+            if after.error:
+                return _LinkTicket(0.0, f"depends on a failed copy: {after.error}")
+        t0 = time.perf_counter()
+        try:
+            copy_bytes(dst, src)
+        except Exception as e:        # surfaced to the thread that waits on the ticket
+            return _LinkTicket(0.0, f"emulated link: {type(e).__name__}: {e}")
+        took = time.perf_counter() - t0
+        with self.lock:               # (take_link reads busy from the step's end)
+            start = max(t0, self.free_at, getattr(after, "ready_at", 0.0))
+            self.free_at = start + max(took, src.numel() / self.bytes_per_s)
+            self.busy[0] += src.numel()
+            self.busy[1] += self.free_at - start
+            return _LinkTicket(self.free_at)
+
+
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy one contiguous byte buffer into another with a plain memmove.
 
@@ -143,17 +204,27 @@ class CpuCopyEngine:
     device = torch.device("cpu")
 
     def __init__(self, delay_s: Optional[float] = None,
-                 bytes_per_s: Optional[float] = None) -> None:
+                 bytes_per_s: Optional[float] = None, threads: Optional[bool] = None) -> None:
+        """``threads``: copies on the two worker threads (the default without ``bytes_per_s``,
+        or with ``delay_s``), else on the emulated link's clock (see the module docstring)."""
         if delay_s is None:
             delay_s = float(os.environ.get("CHAMELEON_SWAP_TEST_COPY_DELAY", "0") or 0)
         self.delay_s = delay_s
         self.bytes_per_s = bytes_per_s           # the emulated link (None: a plain memmove)
-        self._d2h = _Worker("chameleon-d2h", delay_s, bytes_per_s)
-        self._h2d = _Worker("chameleon-h2d", delay_s, bytes_per_s)
-        self._d2h.start()
-        self._h2d.start()
-        # Stop the threads when the engine is garbage collected without close().
-        weakref.finalize(self, _stop_workers, self._d2h, self._h2d)
+        if threads is None:
+            threads = bytes_per_s is None or bool(delay_s)
+        if not threads and bytes_per_s is None:
+            raise ValueError("threads=False needs bytes_per_s: the emulated link is its clock")
+        self.clocked = not threads
+        if self.clocked:
+            self._d2h, self._h2d = _Link(bytes_per_s), _Link(bytes_per_s)
+        else:
+            self._d2h = _Worker("chameleon-d2h", delay_s, bytes_per_s)
+            self._h2d = _Worker("chameleon-h2d", delay_s, bytes_per_s)
+            self._d2h.start()
+            self._h2d.start()
+            # Stop the threads when the engine is garbage collected without close().
+            weakref.finalize(self, _stop_workers, self._d2h, self._h2d)
         # (ticket, keep-alive object, callback) in issue order; done tickets are reaped by poll().
         self._deferred: deque = deque()
         self._stalls: list[tuple[int, float]] = []   # (slot, seconds) per wait of this step
@@ -168,6 +239,8 @@ class CpuCopyEngine:
         return None  # CPU compute is synchronous: the bytes are final when the hook runs
 
     def offload(self, src: torch.Tensor, dst: torch.Tensor, ready: object) -> CpuTicket:
+        if self.clocked:
+            return self._d2h.copy(dst, src)
         ticket = CpuTicket()
         # The worker holds only weak references; the deferred list below is what keeps src and dst
         # alive until the copy is done, exactly as the CUDA engine's deferred free does.
@@ -181,6 +254,8 @@ class CpuCopyEngine:
 
     def fetch_into(self, src: torch.Tensor, dst: torch.Tensor,
                    after: Optional[CpuTicket]) -> CpuTicket:
+        if self.clocked:
+            return self._h2d.copy(dst, src, after)
         ticket = CpuTicket()
         self._deferred.append((ticket, (src, dst), None))
         self._h2d.jobs.put((weakref.ref(src), weakref.ref(dst), ticket, after))
@@ -252,8 +327,8 @@ class CpuCopyEngine:
         return float(sum(s for _, s in self.take_stalls()))
 
     def take_link(self) -> dict:
-        """Per direction, ``(bytes, seconds)`` the copy threads spent copying since last taken:
-        the link's effective bandwidth as the steps saw it."""
+        """Per direction, ``(bytes, seconds)`` the copy threads (or the link's clock) spent copying
+        since last taken: the link's effective bandwidth as the steps saw it."""
         out = {}
         for name, w in (("d2h", self._d2h), ("h2d", self._h2d)):
             with w.lock:
@@ -262,7 +337,8 @@ class CpuCopyEngine:
 
     def take_cpu(self) -> float:
         """CPU seconds the copy threads spent on their copies since last taken (see the module
-        docstring): part of what the step's moves cost."""
+        docstring): part of what the step's moves cost. 0 on the link's clock, whose memmoves
+        run on the calling thread, inside the moves it times."""
         out = 0.0
         for w in (self._d2h, self._h2d):
             with w.lock:
@@ -275,6 +351,7 @@ class CpuCopyEngine:
 
 
 def _stop_workers(*workers: _Worker) -> None:
+    workers = tuple(w for w in workers if isinstance(w, _Worker))     # (a clocked link: none)
     for w in workers:
         if w.is_alive():
             w.jobs.put(None)
