@@ -492,6 +492,32 @@ def test_the_links_clock_queues_each_direction_and_orders_a_fetch_after_its_copy
         CpuCopyEngine(threads=False)
 
 
+def test_on_the_links_clock_a_poll_runs_each_callback_once_its_copy_is_done():
+    # A poll on the clock skips the list until its first copy is done; a copy deferred later but
+    # done sooner (the other direction's, or a failed one) moves that moment earlier.
+    e = CpuCopyEngine(bytes_per_s=20e6)
+    try:
+        ran = []
+        big = e.offload(random_bytes(2**21), torch.zeros(2**21, dtype=torch.uint8), None)
+        e.defer(big, lambda: ran.append("big"))             # 2 MB: done after 100 ms
+        small = e.fetch_into(random_bytes(2**16), torch.zeros(2**16, dtype=torch.uint8), None)
+        e.defer(small, lambda: ran.append("small"))         # other direction, 64 KB: ~3 ms
+        e.poll()
+        assert ran == [] or time.perf_counter() >= small.ready_at
+        while not small.done():
+            time.sleep(0.001)
+        e.poll()
+        assert ran == ["small"] and not big.done()
+        bad = e.offload(random_bytes(100), torch.zeros(10, dtype=torch.uint8), None)
+        e.defer(bad, lambda: ran.append("failed"))          # a failed copy is done at once
+        e.poll()
+        assert ran == ["small", "failed"] and not big.done()
+        e.synchronize()
+        assert ran == ["small", "failed", "big"]
+    finally:
+        e.close()
+
+
 def test_emulate_link_is_checked_and_cpu_only():
     with pytest.raises(ValueError, match="emulate_link"):
         cs.Chameleon(1000, device="cpu", emulate_link="fast")
