@@ -498,8 +498,8 @@ def test_on_the_links_clock_a_poll_runs_each_callback_once_its_copy_is_done():
     e = CpuCopyEngine(bytes_per_s=20e6)
     try:
         ran = []
-        big = e.offload(random_bytes(2**21), torch.zeros(2**21, dtype=torch.uint8), None)
-        e.defer(big, lambda: ran.append("big"))             # 2 MB: done after 100 ms
+        big = e.offload(random_bytes(2**23), torch.zeros(2**23, dtype=torch.uint8), None)
+        e.defer(big, lambda: ran.append("big"))             # 8 MB: done after 420 ms
         small = e.fetch_into(random_bytes(2**16), torch.zeros(2**16, dtype=torch.uint8), None)
         e.defer(small, lambda: ran.append("small"))         # other direction, 64 KB: ~3 ms
         e.poll()
