@@ -68,6 +68,10 @@ class PlanCache:
             self._entries.move_to_end(sig)
         return e
 
+    def peek(self, sig: str) -> Optional[PlanEntry]:
+        """The entry of ``sig`` (None: none), neither counted nor made recent."""
+        return self._entries.get(sig)
+
     def put(self, entry: PlanEntry) -> None:
         self._entries[entry.signature] = entry
         self._entries.move_to_end(entry.signature)

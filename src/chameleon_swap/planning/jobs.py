@@ -1,5 +1,6 @@
 """What a policy asks of the planner as one call, made in-process or in a worker process.
 
+``plan_swaps`` (``swaps.plan``) makes one operator sequence's swap plan (``policy/swap_jobs.py``);
 ``plan_size`` makes one step size's mode plan (``policy/block_modes.py``): the quiet mix where
 the figures are not trusted yet (``quiet.py``), else (or where no quiet mix fits) the full mode
 search (``modes.plan_hybrid``). A policy calls it directly, or has ``serve`` run it in a worker
@@ -20,6 +21,7 @@ from typing import BinaryIO, Mapping, Optional, Sequence
 
 from .modes import Block, HybridPlan, plan_hybrid
 from .quiet import plan_quiet
+from .swaps import plan as plan_swaps
 from .timeline import Profile
 
 
@@ -32,7 +34,7 @@ def plan_size(profile: Profile, blocks: Sequence[Block], budget: int, host_limit
         profile, blocks, budget, host_limit=host_limit, incumbent=incumbent, measured=measured)
 
 
-JOBS = {"plan_size": plan_size}
+JOBS = {"plan_size": plan_size, "plan_swaps": plan_swaps}
 
 
 def serve(inp: BinaryIO, out: BinaryIO) -> None:

@@ -14,9 +14,8 @@ saved ordinal, dtype, shape with varying dimensions tolerated), never by address
 Whatever matches nothing goes to the guard, and the guard holds the budget whatever the plan says:
 a stale plan costs speed, never the budget (LESSONS 6).
 
-``StaticPolicy`` (``policy="static"``, ``static.py``) is the contrast baseline of warm-up-frozen
-peers: the same planner, run once on the first step after warm-up, then applied by save position
-forever.
+``StaticPolicy`` (``policy="static"``, ``static.py``) is the warm-up-frozen peers' baseline: the
+same planner, run once on the first step after warm-up, then applied by save position forever.
 """
 from __future__ import annotations
 
@@ -30,7 +29,8 @@ from .guard import GuardPolicy
 from .block_modes import COLD_STEPS, BlockModes
 from .host_room import HostRoom
 from .checks import PlanChecks, check_step
-from ..planning.cache import DEFAULT_PLAN_CACHE_SIZE, PlanCache, PlanEntry, compile_plan
+from ..planning.cache import DEFAULT_PLAN_CACHE_SIZE, PlanCache, PlanEntry
+from .swap_jobs import SwapJobs, entry_of
 
 RECENT_STEPS = 4          # an estimated plan used this recently earns a detailed step
 FIT_COVERAGE = 0.9        # share of saved bytes a plan must match to be kept for a new sequence
@@ -56,6 +56,7 @@ class ChameleonPolicy:
         self._want_detail = True            # the very first step is timed
         self._prev_sig: Optional[str] = None
         self.planner_seconds = 0.0
+        self.swap_jobs = SwapJobs()         # swap plans the planner process is making
         self._reset_step()
 
     # ------------------------------------------------------------------ step boundaries
@@ -321,6 +322,7 @@ class ChameleonPolicy:
         if profile is not None and self.ex.budget is not None:
             self.checks.learn_moves(profile)    # before any plan of this step's end is made
         if profile is not None and profile.n_forward > 0 and self.ex.budget is not None:
+            self.swap_jobs.land(self)
             self._adapt(profile)
             self._prev_sig = profile.signature
         if profile is not None and profile.blocks:
@@ -377,24 +379,22 @@ class ChameleonPolicy:
             # a new signature nearly every step; planning each costs more than it saves).
             return
         if entry is None or (profile.detailed and (not entry.detailed or miss)):
-            self.cache.put(self._make(profile))
+            made = self.swap_jobs.make(self, profile)       # (None: the planner process's)
+            if made is not None:
+                self.cache.put(made)
         # Detail is wanted when a plan was missed, or a plan still made from estimates has
         # been in use lately (a recurring sequence gets timed once, then runs from cache).
         recent = [e for e in self.cache.entries() if self.step_no - e.last_used < RECENT_STEPS]
         self._want_detail = (miss and not profile.detailed) or any(not e.detailed for e in recent)
 
+    def timeline(self, profile):
+        """``profile`` on the timeline model, with the link and a move's cost as learnt."""
+        return replace(profile.to_timeline(*self.link()), move_seconds=self.checks.move_seconds())
+
     def _make(self, profile) -> PlanEntry:
         from ..planning.swaps import plan as make_plan
         t0 = time.perf_counter()
-        d2h, h2d = self.link()
-        tl = replace(profile.to_timeline(d2h, h2d), move_seconds=self.checks.move_seconds())
-        tl_plan = make_plan(tl, self.ex.budget)
-        entry = compile_plan(profile, tl_plan, self.step_no)
-        if self.pinned_step:     # timed while pinning: planned again, and it predicts nothing
-            entry.detailed, entry.predicted_step_seconds = False, 0.0
-        if profile.blocks:
-            entry.modes = {}
-            for c in profile.blocks:
-                entry.modes.setdefault(c.block, c.mode)
+        tl_plan = make_plan(self.timeline(profile), self.ex.budget)
+        entry = entry_of(profile, tl_plan, self.step_no, self.pinned_step)
         self.planner_seconds += time.perf_counter() - t0
         return entry

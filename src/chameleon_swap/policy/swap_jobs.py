@@ -1,0 +1,79 @@
+"""Swap plans made in the planner process once making them on the step's thread costs.
+
+A swap plan (``planning/swaps.py``: which saved tensors move and when each comes back) is made at
+the end of a step whose operator sequence has no plan yet, on the step's thread, and the step's
+wall time pays for it. Measured on this project's 2-core CPU, the hybrid benchmark's Llama (78
+spans at 384 tokens, a mix that swaps): 40-80 ms of wall time beyond a 260-410 ms step at each
+new mix, about 130 timeline simulations a plan; on an H100 the demo's once took 113 ms.
+
+With a planner process (``background.Worker``: with ``model=`` and ``plan_in_background``, where
+mode plans are made), once a plan made here took longer than ``BACKGROUND_SECONDS``, the next
+ones are handed to the process. The step that asked ends at once; its sequence runs as any
+sequence without a plan does (a plan that agrees by keys, or the guard) until the plan lands, at
+the end of a later step, where it is compiled against the profile it was made from and cached
+(unless a newer plan for the sequence is there by then). Plans under that cost stay on the
+step's thread: a small model's plan takes a millisecond or two, less than a job's round trip,
+and lands for the very next step. A job that fails is not retried; the sequence is planned
+again here when it next wants a plan.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from ..planning.cache import PlanEntry, compile_plan
+
+BACKGROUND_SECONDS = 0.02   # a plan made here that took longer sends the next ones to the process
+
+
+def entry_of(profile, tl_plan, step: int, pinned: bool) -> PlanEntry:
+    """The cache entry of swap plan ``tl_plan``, made from ``profile`` at step ``step``."""
+    entry = compile_plan(profile, tl_plan, step)
+    if pinned:          # timed while pinning: planned again, and it predicts nothing
+        entry.detailed, entry.predicted_step_seconds = False, 0.0
+    if profile.blocks:
+        entry.modes = {}
+        for c in profile.blocks:
+            entry.modes.setdefault(c.block, c.mode)
+    return entry
+
+
+class SwapJobs:
+    """The swap plans a policy has handed to the planner process, by signature."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, tuple] = {}     # signature -> (ticket, profile, step, pinned)
+        self.slow = False                       # the last plan made here took too long
+        self.seconds = 0.0                      # the process's time on the plans landed
+
+    def make(self, policy, profile) -> Optional[PlanEntry]:
+        """``profile``'s plan made now, or None where the planner process makes it."""
+        worker = policy.modes.worker
+        if self.slow and worker is not None and worker.broken is None:
+            if profile.signature in self.pending:
+                return None
+            ticket = worker.submit("plan_swaps", policy.timeline(profile), policy.ex.budget)
+            if ticket is not None:
+                self.pending[profile.signature] = (ticket, profile, policy.step_no,
+                                                   policy.pinned_step)
+                return None
+        t0 = time.perf_counter()
+        entry = policy._make(profile)
+        self.slow = time.perf_counter() - t0 > BACKGROUND_SECONDS
+        return entry
+
+    def land(self, policy) -> None:
+        """Cache the plans the process has made (called at a step's end, before it plans)."""
+        worker = policy.modes.worker
+        for sig, (ticket, profile, step, pinned) in list(self.pending.items()):
+            if worker is None or not worker.ready(ticket):
+                continue
+            del self.pending[sig]
+            seconds, ok, tl_plan = worker.result(ticket)
+            if not ok:
+                continue
+            policy.modes.landed_seconds += seconds      # reported as the process's planning
+            self.seconds += seconds
+            newer = policy.cache.peek(sig)
+            if newer is None or newer.made_at <= step:
+                policy.cache.put(entry_of(profile, tl_plan, step, pinned))
