@@ -85,3 +85,24 @@ def test_a_landed_plan_gives_way_to_a_newer_one_and_a_failed_job_is_dropped(monk
     assert cache.peek("sig-c") is None                      # failed: nothing cached
     assert list(jobs.pending) == ["sig-d"]                  # not answered yet: still pending
     assert pol.modes.landed_seconds == jobs.seconds == 0.75    # the answers' time, reported
+
+
+def test_plans_go_to_the_process_only_after_a_slow_one_and_never_pile_up(monkeypatch):
+    clock = iter([0.0, 0.001, 1.0, 1.5] + [2.0] * 8)
+    monkeypatch.setattr(swap_jobs, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    submitted = []
+    worker = SimpleNamespace(broken=None, submit=lambda *a: submitted.append(a) or len(submitted))
+    made = []
+    pol = SimpleNamespace(modes=SimpleNamespace(worker=worker), ex=SimpleNamespace(budget=100),
+                          step_no=3, pinned_step=False, timeline=lambda p: ("tl", p),
+                          _make=lambda p: made.append(p) or f"entry-{p.signature}")
+    jobs = SwapJobs()
+    prof = [SimpleNamespace(signature=f"s{i}") for i in range(12)]
+    assert jobs.make(pol, prof[0]) == "entry-s0" and not jobs.slow      # 1 ms: stays here
+    assert jobs.make(pol, prof[1]) == "entry-s1" and jobs.slow          # 500 ms: the next go
+    for p in prof[2:2 + swap_jobs.MAX_PENDING]:
+        assert jobs.make(pol, p) is None
+    assert jobs.make(pol, prof[2]) is None and len(submitted) == swap_jobs.MAX_PENDING
+    assert submitted[0] == ("plan_swaps", ("tl", prof[2]), 100)         # (already in flight)
+    assert jobs.make(pol, prof[-1]) == "entry-s11"                      # full: made here
+    assert [p.signature for p in made] == ["s0", "s1", "s11"]

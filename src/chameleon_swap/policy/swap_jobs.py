@@ -24,6 +24,8 @@ from typing import Optional
 from ..planning.cache import PlanEntry, compile_plan
 
 BACKGROUND_SECONDS = 0.02   # a plan made here that took longer sends the next ones to the process
+MAX_PENDING = 8             # plans in the process at once; more are made here (a new sequence
+                            # every step, faster than the process plans, must not pile up)
 
 
 def entry_of(profile, tl_plan, step: int, pinned: bool) -> PlanEntry:
@@ -49,9 +51,10 @@ class SwapJobs:
     def make(self, policy, profile) -> Optional[PlanEntry]:
         """``profile``'s plan made now, or None where the planner process makes it."""
         worker = policy.modes.worker
-        if self.slow and worker is not None and worker.broken is None:
-            if profile.signature in self.pending:
-                return None
+        if profile.signature in self.pending:
+            return None                         # (being made there already)
+        if (self.slow and worker is not None and worker.broken is None
+                and len(self.pending) < MAX_PENDING):
             ticket = worker.submit("plan_swaps", policy.timeline(profile), policy.ex.budget)
             if ticket is not None:
                 self.pending[profile.signature] = (ticket, profile, policy.step_no,
