@@ -1,6 +1,7 @@
 """Swap plans made in the planner process (``policy/swap_jobs.py``)."""
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 from chameleon_swap.planning.cache import PlanCache, PlanEntry
@@ -106,3 +107,36 @@ def test_plans_go_to_the_process_only_after_a_slow_one_and_never_pile_up(monkeyp
     assert submitted[0] == ("plan_swaps", ("tl", prof[2]), 100)         # (already in flight)
     assert jobs.make(pol, prof[-1]) == "entry-s11"                      # full: made here
     assert [p.signature for p in made] == ["s0", "s1", "s11"]
+
+
+def test_on_the_real_clock_plans_go_to_the_process_after_one_made_here_ran_long(monkeypatch):
+    # The twin of the stub-clock test above: the real clock, the emulated link, the engine's own
+    # planner process, a threshold of 1 ms (a plan of this Llama takes longer on this CPU). Each
+    # call of ``SwapJobs.make`` is checked against the rule: made here until one made here took
+    # longer than the threshold, handed over from then on while fewer than the cap are there.
+    monkeypatch.setattr(swap_jobs, "BACKGROUND_SECONDS", 0.001)
+    calls = []
+    real_make = SwapJobs.make
+
+    def make(self, policy, profile):
+        before = (self.slow, len(self.pending), profile.signature in self.pending)
+        t0 = time.perf_counter()
+        entry = real_make(self, policy, profile)
+        calls.append((before, time.perf_counter() - t0, entry is None, self.slow))
+        return entry
+    monkeypatch.setattr(SwapJobs, "make", make)
+    model = tiny_llama(dim=64, n_layers=3, max_seq_len=256)
+    compare(model, lm_batches(model, [96, 160, 128, 64] * 3), 0.3, model_kwarg=True,
+            emulate_link="200MB/s")
+    assert calls and not calls[0][2]                        # the first is made here
+    for (slow, pending, inflight), took, handed, slow_after in calls:
+        if inflight:
+            assert handed
+        elif slow and pending < swap_jobs.MAX_PENDING:
+            assert handed and slow_after                    # (the worker ran throughout)
+        else:
+            assert not handed
+            assert took > 0.001 if slow_after else took < 0.001 + 0.005, (took, slow_after)
+    # (tolerance one way only: ``took`` is timed around the call, the rule's time inside it, so
+    # a call under the threshold inside can read up to a few ms more here on a busy machine)
+    assert any(handed for *_, handed, _ in calls), "no plan here took over 1 ms: nothing went"
