@@ -67,9 +67,9 @@ class SwapJobs:
 
     def land(self, policy) -> None:
         """Cache the plans the process has made (called at a step's end, before it plans)."""
-        worker = policy.modes.worker
+        worker = policy.modes.worker        # (none: nothing was ever handed over)
         for sig, (ticket, profile, step, pinned) in list(self.pending.items()):
-            if worker is None or not worker.ready(ticket):
+            if not worker.ready(ticket):
                 continue
             del self.pending[sig]
             seconds, ok, tl_plan = worker.result(ticket)
