@@ -125,7 +125,7 @@ def make_engine(state, monkeypatch):
 
 
 def state_of(eng, t: torch.Tensor) -> str:
-    return eng._ex._records[t.untyped_storage()].state
+    return eng._ex.record_of(t.untyped_storage()).state
 
 
 def modify_after_save(eng, state, *, saved="tensor", keep_ref=True):

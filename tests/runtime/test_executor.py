@@ -1,4 +1,5 @@
-"""Executor holds: bytes counted as resident that the saved-tensor hooks cannot see."""
+"""Executor: holds (bytes counted as resident that the saved-tensor hooks cannot see) and the
+storage -> record map."""
 from __future__ import annotations
 
 import pytest
@@ -166,3 +167,37 @@ def test_the_copy_out_waits_on_an_event_recorded_after_every_write_to_its_source
         assert len(recorded) == 1, "the copy waits on no event recorded on the compute stream"
         late = [e for e in log[recorded[0]:at] if e[0] == "write" and e[1] == ptr]
         assert not late, f"written on the compute stream after the copy's ready event: {late}"
+
+
+def test_a_storage_saved_again_after_its_bytes_left_finds_its_record_and_is_not_kept_alive():
+    """The dedup map holds a resident record's storage; once the bytes left (budget 0: copied
+    out in the pack hook), the record is found by the storage's id, and nothing of the engine's
+    keeps the device storage alive."""
+    import gc
+    import weakref
+
+    import chameleon_swap as cs
+
+    x = torch.randn(64, 64, requires_grad=True)
+    a = x * 2
+    (a.sin() + a.cos()).sum().backward()
+    ref_grad = x.grad.clone()
+    x.grad = None
+    with cs.Chameleon(0, device="cpu", min_tensor_bytes=0) as eng:
+        with eng.step():
+            a = x * 2
+            s = a.sin()                        # saves a: copied out at once (budget 0)
+            ex = eng._ex
+            rec = ex.record_of(a.untyped_storage())
+            assert rec is not None and rec.state == "host"
+            assert a.untyped_storage() not in ex._records       # not held strongly any more
+            records = ex.next_index
+            c = a.cos()                        # saves a again: the same record, no new one
+            assert ex.record_of(a.untyped_storage()) is rec and ex.next_index == records
+            storage = weakref.ref(a.untyped_storage())
+            loss = (s + c).sum()
+            del a, s, c
+            gc.collect()
+            assert storage() is None           # the engine kept no reference to its bytes
+            loss.backward()
+    assert torch.equal(x.grad, ref_grad)

@@ -57,8 +57,9 @@ class Record:
         self.failed: Optional[str] = None
         self.key = None               # the profiler's TensorKey (identity across iterations)
         self.used = False             # backward has needed it this step
-        self.storage = None           # its storage object, for an executor whose records never
-                                      # move (resident.py: the map is a plain dict, popped at release)
+        self.storage = None           # its storage object while its device bytes are ours
+                                      # (the executor's map is a plain dict, popped at release
+                                      # or when the bytes leave)
 
 
 class Handle:
