@@ -258,3 +258,63 @@ def test_block_modes_still_cold_ask_for_the_next_steps_timed_a_few_at_most():
         train_step(model, batch, eng)                  # lightweight: nothing timed, yet...
         assert not eng._profiler.last_profile.detailed
         assert pol.modes.warm and not any(v.cold for v in pol.modes.views.values())
+
+
+def test_a_step_in_new_block_modes_takes_a_cached_plan_of_its_modes_else_its_mode_plans():
+    """Which plan by keys stands for a step whose block modes no cached plan's events agree
+    with (``ChameleonPolicy._in_modes``): a cached plan made in the step's modes, the most
+    recently used, else the step's mode plan's own swap set (``by_mix``), else none."""
+    import sys
+    from pathlib import Path
+
+    from chameleon_swap.copy import make_copy_engine
+    from chameleon_swap.copy.host_pool import HostPool
+    from chameleon_swap.planning.cache import PlanEntry
+    from chameleon_swap.planning.modes import _made, apply_modes
+    from chameleon_swap.planning.signatures import TensorKey
+    from chameleon_swap.planning.swaps import plan as plan_swaps
+    from chameleon_swap.policy.chameleon import ChameleonPolicy
+    from chameleon_swap.policy.mix_runs import ModePlan
+    from chameleon_swap.runtime.executor import Executor
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "planning"))
+    from test_modes import keep_view
+
+    prof, blocks = keep_view(n_blocks=4, per_block=3)
+    modes = ("keep", "keep", "full", "full")
+    view = apply_modes(prof, blocks, modes)
+    budget = int(sum(sp.nbytes for sp in view.spans) * 0.5)
+    hp = _made(view, blocks, modes, plan_swaps(view, budget), prof)
+    assert hp.swap.move
+    keys = tuple(TensorKey(3, 0, i, "float32", (4, 8)) for i in range(len(prof.spans)))
+    plan = ModePlan(dict(enumerate(modes)), {}, 1000, budget, True, hp, key=5, keys=keys)
+
+    def entry(sig, modes):
+        return PlanEntry(signature=sig, ids=[1, 2], keys=list(keys), n_forward=2, move=[False] * 2,
+                         triggers={}, at_forward_end=[], predicted_stall_seconds=0.0,
+                         predicted_peak_bytes=0, detailed=True, modes=dict(enumerate(modes)))
+
+    copy_engine = make_copy_engine(torch.device("cpu"))
+    try:
+        pol = ChameleonPolicy(Executor(torch.device("cpu"), copy_engine, HostPool(2**20, pin=False),
+                                       min_tensor_bytes=0))
+
+        def step_in_modes():
+            pol.begin_step()
+            pol.modes.key, pol.modes.plan, pol.modes.upsized = 5, plan, False
+            return pol._in_modes()
+
+        pol.cache.put(entry("all kept", ("keep",) * 4))
+        got = step_in_modes()
+        assert got.by_mix and got.modes == plan.modes and pol._fuzzy is got
+        assert step_in_modes() is got                  # made once per mode plan
+        pol.cache.put(entry("in its modes", modes))
+        assert step_in_modes().signature == "in its modes"
+        pol.cache = type(pol.cache)()
+        plan.keys, plan.entry = (), None              # no keys known: nothing by keys
+        assert step_in_modes() is None and pol._no_plan_in_modes
+        pol.modes.upsized = True                      # every block runs full: no mode plan's
+        pol._no_plan_in_modes = False
+        plan.keys = keys
+        assert pol._in_modes() is None
+    finally:
+        copy_engine.close()

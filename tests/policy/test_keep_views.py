@@ -157,9 +157,10 @@ def test_thaw_corrects_every_cold_view_by_the_nearest_ones_factors_unclamped():
 def test_spans_that_copy_a_parameter_keep_their_size_when_scaled():
     v = keep_views.scaled(view(), 1.0, 100)                 # (a view with no fixed spans)
     assert [sp.nbytes for sp in keep_views.scaled(v, 2.0, 200).profile.spans] == [80, 120]
-    fixed = KeepView(v.profile, v.blocks, v.block_ids, 100, fixed=(True, False))
+    fixed = KeepView(v.profile, v.blocks, v.block_ids, 100, fixed=(True, False), keys=("a", "b"))
     s = keep_views.scaled(fixed, 2.0, 200)
     assert [sp.nbytes for sp in s.profile.spans] == [40, 120] and s.fixed == (True, False)
+    assert s.keys == ("a", "b")             # its tensors' keys, for a mix's plan by keys
     assert keep_views.scaled(s, 1.0, 200, seconds=0.5).fixed == (True, False)   # (a correction)
 
 

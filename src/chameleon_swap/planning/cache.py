@@ -1,14 +1,17 @@
 """Plans as the runtime keeps them: a timeline plan compiled into per-span decisions and copy-back
-triggers (``compile_plan``), and a bounded LRU of them by operator-sequence signature
-(``PlanCache``). Data only: ``policy/chameleon.py`` applies them.
+triggers (``compile_plan``; a mix's, made on its timeline before it ran: ``compile_mix``), and a
+bounded LRU of them by operator-sequence signature (``PlanCache``). Data only:
+``policy/chameleon.py`` applies them.
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
 from .signatures import KeyIndex, TensorKey
+from .timeline import unmoved_peak
 
 DEFAULT_PLAN_CACHE_SIZE = 16
 
@@ -35,6 +38,8 @@ class PlanEntry:
     predicted_step_seconds: float = 0.0  # the whole step as the timeline model predicted it
     replanned: bool = False             # made again after its predictions missed the steps
     modes: Optional[dict] = None        # with model=: block -> mode the profiled step ran
+    by_mix: bool = False                # a mix's, made before it ran (``compile_mix``): uncached
+    peak_bytes: int = 0                 # its unmoved peak where held bytes add to the spans'
     _index: Optional[KeyIndex] = field(default=None, repr=False)
 
     @property
@@ -112,3 +117,38 @@ def compile_plan(profile, tl_plan, step: int) -> PlanEntry:
                      moved_bytes=sum(profile.nbytes[j] for j in tl_plan.move),
                      budget_bytes=tl_plan.budget or 0,
                      detailed=profile.detailed, made_at=step, last_used=step)
+
+
+def compile_mix(profile, swap, origins, keys, signature: str, step: int) -> PlanEntry:
+    """The swap plan ``swap`` of a mix, made on its timeline ``profile`` (``HybridPlan``),
+    compiled as a plan applied by tensor keys: the span that is the keep view's span
+    ``origins[j]`` gets that span's key (``keys``); the input span of a recomputed block
+    (``origins[j] < 0``) a key no tensor has, so its tensors are the guard's. Its copies back are
+    issued at the first use of the latest span the runtime can find that backward needs at or
+    before their slot (at forward's end where none is)."""
+    n, n_slots = len(profile.spans), len(profile.compute)
+    span_keys = [keys[o] if 0 <= o < len(keys) else TensorKey(-2, 0, j, "", ())
+                 for j, o in enumerate(origins)]
+    by_use: dict[int, int] = {}
+    for j, sp in enumerate(profile.spans):
+        if origins[j] >= 0 and sp.use < n_slots:
+            by_use.setdefault(sp.use, j)
+    uses = sorted(by_use)
+    move = [False] * n
+    triggers: dict[int, list[int]] = {}
+    at_end: list[int] = []
+    for j in sorted(swap.move, key=lambda j: (swap.fetch_at.get(j, 0), profile.spans[j].use)):
+        if origins[j] < 0:
+            continue                         # (the guard's: see above)
+        move[j] = True
+        i = bisect_right(uses, swap.fetch_at.get(j, 0)) - 1
+        if i < 0:
+            at_end.append(j)
+        else:
+            triggers.setdefault(by_use[uses[i]], []).append(j)
+    nbytes = [sp.nbytes for sp in profile.spans]
+    return PlanEntry(signature=signature, ids=[], keys=span_keys, n_forward=n, move=move,
+                     triggers=triggers, at_forward_end=at_end, predicted_stall_seconds=0.0,
+                     predicted_peak_bytes=0, detailed=False, nbytes=nbytes,
+                     moved_bytes=sum(nbytes[j] for j in swap.move), budget_bytes=swap.budget or 0,
+                     made_at=step, last_used=step, by_mix=True, peak_bytes=unmoved_peak(profile))

@@ -8,8 +8,9 @@ step when it comes back); a signature seen before goes straight to its cached pl
 Within a step the plan is found while the step runs, since its signature is known only at the end:
 every cached plan whose event sequence agrees with the events so far stays a candidate, and the
 most recently used one is applied, tensor by tensor, by save position. When no candidate agrees
-any more, tensors are matched to the closest plan's entries by ``TensorKey`` (module, call and
-saved ordinal, dtype, shape with varying dimensions tolerated), never by address.
+any more, tensors are matched by ``TensorKey`` (module, call and saved ordinal, dtype, shape with
+varying dimensions tolerated; never by address) to the closest plan's entries, a plan made in the
+step's block modes (with ``model=``: a cached one, else the mode plan's swap set).
 
 Whatever matches nothing goes to the guard, and the guard holds the budget whatever the plan says:
 a stale plan costs speed, never the budget (LESSONS 6).
@@ -30,7 +31,7 @@ from .block_modes import COLD_STEPS, BlockModes
 from .host_room import HostRoom
 from .checks import PlanChecks, check_step
 from ..planning.cache import DEFAULT_PLAN_CACHE_SIZE, PlanCache, PlanEntry
-from .swap_jobs import SwapJobs, entry_of
+from .swap_jobs import SwapJobs, entry_of, mode_entry, wants_more
 
 RECENT_STEPS = 4          # an estimated plan used this recently earns a detailed step
 FIT_COVERAGE = 0.9        # share of saved bytes a plan must match to be kept for a new sequence
@@ -77,6 +78,7 @@ class ChameleonPolicy:
         self._fuzzy_moved = 0               # bytes moved on a fuzzily matched plan's word
         self.overrides = 0                  # planned-resident records the guard had to move
         self._agree: dict[int, bool] = {}   # id(plan) -> its block modes are this step's
+        self._no_plan_in_modes = False      # _in_modes found none (the modes hold all step)
 
     def wants_detail(self) -> bool:
         # Timings serve the planner only, which never runs without a budget: with none, every
@@ -122,12 +124,14 @@ class ChameleonPolicy:
     def _span_for(self, rec: Record) -> Optional[int]:
         self._follow()
         if self._active is not None:
-            if not self._modes_agree(self._active):
-                return None
-            self._applied = self._active
-            return rec.index if rec.index < self._active.n_forward else None
+            if self._modes_agree(self._active):
+                self._applied = self._active
+                return rec.index if rec.index < self._active.n_forward else None
+            self._active, self._alive = None, []    # of other modes: by keys from here on
         plan = self._fuzzy
-        if plan is None or rec.key is None or not self._modes_agree(plan):
+        if plan is None or not self._modes_agree(plan):
+            plan = self._in_modes()
+        if plan is None or rec.key is None:
             return None
         span = plan.index.find(rec.key)
         if span is None or span in self._taken:
@@ -137,11 +141,26 @@ class ChameleonPolicy:
         self._fuzzy_used = True
         return span
 
+    def _in_modes(self) -> Optional[PlanEntry]:
+        """For a step whose plan by keys is of other block modes: a cached plan of its modes
+        (the most recently used), else its mode plan's swap set (``swap_jobs.mode_entry``),
+        matched by keys from then on (the records matched so far come back as the guard's)."""
+        m = self.modes
+        if m.key is None or m.plan is None or m.upsized or self._no_plan_in_modes:
+            return None
+        plan = next((e for e in self.cache.entries() if self._modes_agree(e)), None) \
+            or mode_entry(m.plan, self.step_no)
+        self._no_plan_in_modes = plan is None
+        if plan is not None:
+            self._fuzzy, self._taken, self._span_of, self._rec_of = plan, set(), {}, {}
+            self._plan_bytes = self._step_bytes = 0
+        return plan
+
     def _modes_agree(self, plan: PlanEntry) -> bool:
-        """A swap plan profiled with other block modes than this step runs does not stand for
-        its tensors (a recomputed block saves other tensors, and frees room the plan did not
-        know of): matching it by key would move what this step's mode plan keeps. Asked at every
-        save, so answered once per plan a step, as soon as the step's mode plan is known."""
+        """A swap plan profiled in other block modes than this step's does not stand for its
+        tensors (a recomputed block saves others, and frees room the plan did not know of):
+        matched by key, it would move what this step's mode plan keeps. Asked at every save:
+        answered once per plan a step, as soon as the step's mode plan is known."""
         now = self.modes.plan.modes if self.modes.key is not None and self.modes.plan else None
         if now is None or plan.modes is None:
             return True
@@ -193,7 +212,8 @@ class ChameleonPolicy:
         if span < len(plan.nbytes):
             self._plan_bytes += plan.nbytes[span]
             self._step_bytes += rec.nbytes
-        if plan.move[span] and (self._active is not None or self._fuzzy_wants_more(plan)):
+        if plan.move[span] and (self._active is not None or wants_more(
+                plan, self._step_bytes, self._plan_bytes, self._fuzzy_moved, self.ex.budget)):
             if rec.state == RESIDENT and rec.counted:
                 self.ex.offload(rec)
                 self.guard._inflight.append(rec)
@@ -203,22 +223,6 @@ class ChameleonPolicy:
             self._kept.append(rec)
         if self._active is not None and rec.index == plan.n_forward - 1:
             self._forward_end()
-
-    def _fuzzy_wants_more(self, plan: PlanEntry) -> bool:
-        """A plan made for another sequence says "move this one": worth it only while this step
-        has moved less than it must. Its tensors so far, against the plan's for the same spans,
-        scale the plan's natural peak to this step's; what must go is that minus the budget,
-        with the plan's own margin (moved over needed) on top. A plan for long sequences
-        applied to a short one moves nothing when the short step fits; the guard still holds
-        the budget if the estimate was low."""
-        if self._plan_bytes <= 0:
-            return True
-        natural = sum(plan.nbytes) * self._step_bytes / self._plan_bytes
-        need = natural - self.ex.budget
-        plan_need = sum(plan.nbytes) - plan.budget_bytes
-        if plan_need > 0:
-            need *= max(1.0, plan.moved_bytes / plan_need)
-        return self._fuzzy_moved < need
 
     # ------------------------------------------------------------------ backward
     def _forward_end(self) -> None:
@@ -275,13 +279,11 @@ class ChameleonPolicy:
         return self.guard.make_room_backward(rec)
 
     # ------------------------------------------------------------------ step end: adapt
-    def report(self) -> dict:
-        """What the engine puts into StepStats for this step."""
+    def report(self) -> dict:       # what the engine puts into StepStats for this step
         return self._report
 
     def link(self) -> tuple[float, float]:
-        """(d2h, h2d) bytes/s the planner uses: as corrected from the steps, else configured or
-        measured once (``bandwidth_fn``)."""
+        """(d2h, h2d) bytes/s the planner uses: as corrected from steps, else ``bandwidth_fn``'s."""
         return self.checks.link or self.bandwidth_fn()
 
     def end_step(self, profile=None) -> None:
@@ -305,9 +307,9 @@ class ChameleonPolicy:
         if mode_plan is not None:
             # With model= the step ran a mode plan: its source and prediction are the step's,
             # unless a swap plan made from a step in these very modes stood for this one (it
-            # models this step's copies; the mode plan's swap set is the search's, from the keep
-            # view: on a 4-block Llama at 25% and 50 MB/s such a swap plan predicted 110 ms for
-            # steps of 117-141 ms, the mode plan 74 ms); its source only where it was replanned.
+            # models its copies; the mode plan's are the search's, from the keep view: a 4-block
+            # Llama at 25%, 50 MB/s: 110 ms predicted for steps of 117-141 ms, the mode plan's
+            # 74 ms); its source only where it was replanned. (A mix's ``by_mix`` plan has none.)
             swap_stands = (applied is not None and applied.predicted_step_seconds and applied.modes
                            and self._modes_agree(applied) and self._fits(profile))
             mode_source = self.modes.source()
@@ -336,15 +338,11 @@ class ChameleonPolicy:
     def block_mode(self, b: int, input_bytes: int) -> str:
         """The mode block ``b`` runs in now (asked by the recompute runner at its start).
 
-        Room for a recompute is kept where it is needed, in backward: copies back leave room
-        for every recompute to come (``recompute_reserve``), and a recompute that finds too
-        little room has the guard make it (``make_room_backward``). Forward keeps none. Block
-        ``b`` recomputes after everything saved after its start (later blocks, the head and the
-        loss) has been used and freed, and what was saved before it can leave on the copy
-        stream while forward goes on, as the plan's timeline has it. Keeping the room in forward
-        instead (as before) made the last and largest saves of a step (a Llama's logits and
-        loss) wait to be copied out at forward's end, where nothing hides a copy, and an
-        all-full mix then cost what swapping did."""
+        Room for a recompute is kept in backward, where it is needed: copies back leave room for
+        every recompute to come (``recompute_reserve``); one that finds too little has the guard
+        make it (``make_room_backward``). Forward keeps none (``b`` recomputes once all saved
+        after its start is freed): kept there, a Llama's last, largest saves (logits, loss)
+        waited to be copied out at forward's end, and an all-full mix cost what swapping did."""
         mode = self.modes.mode(b, input_bytes)
         room = self.host_room
         room.block_starts()
@@ -373,10 +371,11 @@ class ChameleonPolicy:
     def _adapt(self, profile) -> None:
         entry = self.cache.get(profile.signature)
         miss = self._miss()
-        if entry is None and not miss and self._fits(profile):
+        if entry is None and not miss and self._fits(profile) and not self._applied.by_mix:
             # A sequence new in detail, but the plan applied to it (by keys) held without the
             # guard's help: like the paper, keep it instead of planning again (MoE routing makes
-            # a new signature nearly every step; planning each costs more than it saves).
+            # a new signature nearly every step; planning each costs more than it saves). Not
+            # a mix's plan made before it ran (``by_mix``): the mix's own steps are planned.
             return
         if entry is None or (profile.detailed and (not entry.detailed or miss)):
             made = self.swap_jobs.make(self, profile)       # (None: the planner process's)

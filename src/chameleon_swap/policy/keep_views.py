@@ -57,6 +57,8 @@ class KeepView:
     cold: bool = False          # learnt on the engine's first step (see ``thaw``)
     fixed: tuple = ()           # per span: a parameter's copy, its size the same at every
                                 # length (``Views.param_shapes``; empty: none known)
+    keys: tuple = ()            # per span: its tensor's key (``TensorKey``; empty: unknown), by
+                                # which a mix's swap plan finds its tensors (``mode_entry``)
 
 
 class Views(dict):
@@ -103,9 +105,11 @@ def learn(profile, calls: list, d2h: float, h2d: float, eligible: list,
                     block_compute(profile, c), c.input_bytes,
                     eligible=c.block >= len(eligible) or eligible[c.block])
               for c in calls]
+    keyed = len(profile.keys) == len(tl.spans)
     fixed = (tuple(not k.shape or tuple(k.shape) in param_shapes for k in profile.keys)
-             if param_shapes and len(profile.keys) == len(tl.spans) else ())
-    return KeepView(tl, blocks, [c.block for c in calls], input_bytes, cold, fixed)
+             if param_shapes and keyed else ())
+    return KeepView(tl, blocks, [c.block for c in calls], input_bytes, cold, fixed,
+                    tuple(profile.keys) if keyed else ())
 
 
 def block_compute(profile, call) -> float:
@@ -223,7 +227,7 @@ def scaled(view: KeepView, f: float, input_bytes: int, seconds=None) -> KeepView
                    reserve=tuple(int(r * f) for r in p.reserve))
     blocks = [replace(b, forward_seconds=b.forward_seconds * tf,
                       input_bytes=int(b.input_bytes * f)) for b in view.blocks]
-    return KeepView(prof, blocks, view.block_ids, input_bytes, view.cold, view.fixed)
+    return KeepView(prof, blocks, view.block_ids, input_bytes, view.cold, view.fixed, view.keys)
 
 
 def full_ratio(view: Optional[KeepView], calls: list, input_bytes: int) -> Optional[float]:

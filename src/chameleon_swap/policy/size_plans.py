@@ -50,6 +50,7 @@ class Job:
     move_seconds: float
     views_version: tuple        # ``view_stamp``: the keep view it is made from
     host: Optional[int]
+    keys: tuple = ()            # the view's tensor keys (``KeepView.keys``)
     seconds: float = 0.0        # spent on the step's thread preparing it
     free: bool = False          # a thaw's (not charged to the share)
     after: Optional[tuple] = None    # a replan's (repeats, old plan, visits) (``_replanned``)
@@ -171,7 +172,7 @@ class SizePlans:
         budget, trusted = self.budget - self.margin.get(key, 0), self.warm and measured
         args = (prof, blocks, budget, host, now, self.measured(key, view.block_ids), not trusted)
         return Job(args, list(view.block_ids), view.input_bytes, self.budget, measured, trusted,
-                   prof.move_seconds, stamp, host)
+                   prof.move_seconds, stamp, host, view.keys)
 
     def _land(self, key: int, job: Job, hp) -> None:
         """Plan ``hp`` (``plan_size``'s, for ``job``) becomes ``key``'s."""
@@ -180,7 +181,7 @@ class SizePlans:
         self.plans[key] = ModePlan(modes, dict(zip(job.block_ids, hp.working_set)),
                                    job.input_bytes, job.budget, job.measured, hp, key=key,
                                    move_seconds=job.move_seconds, stand_in=not job.trusted,
-                                   views_version=job.views_version)
+                                   views_version=job.views_version, keys=job.keys)
         pred = hp.predicted
         fits = pred.peak_bytes <= job.budget and not pred.forced_offloads
         if not fits and job.budget not in self.warned_budgets:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from ..planning.cache import PlanEntry, compile_plan
+from ..planning.cache import PlanEntry, compile_mix, compile_plan
 
 BACKGROUND_SECONDS = 0.02   # a plan made here that took longer sends the next ones to the process
 MAX_PENDING = 8             # plans in the process at once; more are made here (a new sequence
@@ -38,6 +38,43 @@ def entry_of(profile, tl_plan, step: int, pinned: bool) -> PlanEntry:
         for c in profile.blocks:
             entry.modes.setdefault(c.block, c.mode)
     return entry
+
+
+def mode_entry(plan, step: int) -> Optional[PlanEntry]:
+    """Mode plan ``plan``'s swap set (``mix_runs.ModePlan``: the search's, on its mix's timeline)
+    as a plan by keys (``compile_mix``), made once per mode plan; None where it moves nothing or
+    its keep view's keys are unknown. A step in a mix that no step of its own planned yet runs
+    on it instead of the guard alone (the emulated-link benchmark at 25%, 384 tokens: a mix that
+    keeps blocks stalled 87-150 ms on such steps, 0-34 ms once its own plan was there)."""
+    if plan.entry is None:
+        hp = plan.hybrid
+        usable = (plan.keys and hp.swap.move and len(hp.origins) == len(hp.profile.spans))
+        plan.entry = (compile_mix(hp.profile, hp.swap, hp.origins, plan.keys,
+                                  f"mix:{plan.key}:{','.join(hp.modes)}", step)
+                      if usable else False)
+        if plan.entry:
+            plan.entry.modes = dict(plan.modes)
+    return plan.entry or None
+
+
+def wants_more(plan: PlanEntry, step_bytes: int, plan_bytes: int, moved: int,
+               budget: int) -> bool:
+    """Whether a plan by keys (made for another sequence, or a mix's before it ran) that says
+    "move this one" is worth following: only while the step has moved (``moved``) less than it
+    must. Its tensors so far (``step_bytes``), against the plan's for the same spans
+    (``plan_bytes``), scale the plan's natural peak to the step's; what must go is that minus
+    the budget, with the plan's own margin (moved over needed) on top. A plan for long sequences
+    applied to a short one moves nothing when the short step fits; the guard still holds the
+    budget if the estimate was low. A mix's peak is more than its spans' bytes: its recomputes
+    hold their working sets (``PlanEntry.peak_bytes``)."""
+    if plan_bytes <= 0:
+        return True
+    peak = plan.peak_bytes or sum(plan.nbytes)
+    need = peak * step_bytes / plan_bytes - budget
+    plan_need = peak - plan.budget_bytes
+    if plan_need > 0:
+        need *= max(1.0, plan.moved_bytes / plan_need)
+    return moved < need
 
 
 class SwapJobs:
