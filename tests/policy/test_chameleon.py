@@ -262,8 +262,9 @@ def test_block_modes_still_cold_ask_for_the_next_steps_timed_a_few_at_most():
 
 def test_a_step_in_new_block_modes_takes_a_cached_plan_of_its_modes_else_its_mode_plans():
     """Which plan by keys stands for a step whose block modes no cached plan's events agree
-    with (``ChameleonPolicy._in_modes``): a cached plan made in the step's modes, the most
-    recently used, else the step's mode plan's own swap set (``by_mix``), else none."""
+    with (``ChameleonPolicy._in_modes``): a cached plan made in the step's modes at its size,
+    else the step's mode plan's own swap set (``by_mix``), else a cached plan in its modes made
+    at another size, else none."""
     import sys
     from pathlib import Path
 
@@ -288,10 +289,11 @@ def test_a_step_in_new_block_modes_takes_a_cached_plan_of_its_modes_else_its_mod
     keys = tuple(TensorKey(3, 0, i, "float32", (4, 8)) for i in range(len(prof.spans)))
     plan = ModePlan(dict(enumerate(modes)), {}, 1000, budget, True, hp, key=5, keys=keys)
 
-    def entry(sig, modes):
+    def entry(sig, modes, size=5):
         return PlanEntry(signature=sig, ids=[1, 2], keys=list(keys), n_forward=2, move=[False] * 2,
                          triggers={}, at_forward_end=[], predicted_stall_seconds=0.0,
-                         predicted_peak_bytes=0, detailed=True, modes=dict(enumerate(modes)))
+                         predicted_peak_bytes=0, detailed=True, modes=dict(enumerate(modes)),
+                         size=size)
 
     copy_engine = make_copy_engine(torch.device("cpu"))
     try:
@@ -304,13 +306,17 @@ def test_a_step_in_new_block_modes_takes_a_cached_plan_of_its_modes_else_its_mod
             return pol._in_modes()
 
         pol.cache.put(entry("all kept", ("keep",) * 4))
+        pol.cache.put(entry("its modes, another size", modes, size=9))
         got = step_in_modes()
-        assert got.by_mix and got.modes == plan.modes and pol._fuzzy is got
+        assert got.by_mix and got.modes == plan.modes and pol._fuzzy is got and got.size == 5
         assert step_in_modes() is got                  # made once per mode plan
-        pol.cache.put(entry("in its modes", modes))
-        assert step_in_modes().signature == "in its modes"
+        pol.cache.put(entry("its modes and size", modes))
+        assert step_in_modes().signature == "its modes and size"
         pol.cache = type(pol.cache)()
-        plan.keys, plan.entry = (), None              # no keys known: nothing by keys
+        pol.cache.put(entry("its modes, another size", modes, size=9))
+        plan.keys, plan.entry = (), None              # no keys known: no mix plan
+        assert step_in_modes().signature == "its modes, another size"
+        pol.cache = type(pol.cache)()
         assert step_in_modes() is None and pol._no_plan_in_modes
         pol.modes.upsized = True                      # every block runs full: no mode plan's
         pol._no_plan_in_modes = False

@@ -40,6 +40,7 @@ class PlanEntry:
     modes: Optional[dict] = None        # with model=: block -> mode the profiled step ran
     by_mix: bool = False                # a mix's, made before it ran (``compile_mix``): uncached
     peak_bytes: int = 0                 # its unmoved peak where held bytes add to the spans'
+    size: Optional[int] = None          # with model=: the step size it was made at (step_size)
     _index: Optional[KeyIndex] = field(default=None, repr=False)
 
     @property
@@ -119,7 +120,8 @@ def compile_plan(profile, tl_plan, step: int) -> PlanEntry:
                      detailed=profile.detailed, made_at=step, last_used=step)
 
 
-def compile_mix(profile, swap, origins, keys, signature: str, step: int) -> PlanEntry:
+def compile_mix(profile, swap, origins, keys, signature: str, step: int,
+                size: Optional[int] = None) -> PlanEntry:
     """The swap plan ``swap`` of a mix, made on its timeline ``profile`` (``HybridPlan``),
     compiled as a plan applied by tensor keys: the span that is the keep view's span
     ``origins[j]`` gets that span's key (``keys``); the input span of a recomputed block
@@ -151,4 +153,5 @@ def compile_mix(profile, swap, origins, keys, signature: str, step: int) -> Plan
                      triggers=triggers, at_forward_end=at_end, predicted_stall_seconds=0.0,
                      predicted_peak_bytes=0, detailed=False, nbytes=nbytes,
                      moved_bytes=sum(nbytes[j] for j in swap.move), budget_bytes=swap.budget or 0,
-                     made_at=step, last_used=step, by_mix=True, peak_bytes=unmoved_peak(profile))
+                     made_at=step, last_used=step, by_mix=True, peak_bytes=unmoved_peak(profile),
+                     size=size)

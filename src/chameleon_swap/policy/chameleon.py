@@ -31,7 +31,7 @@ from .block_modes import COLD_STEPS, BlockModes
 from .host_room import HostRoom
 from .checks import PlanChecks, check_step
 from ..planning.cache import DEFAULT_PLAN_CACHE_SIZE, PlanCache, PlanEntry
-from .swap_jobs import SwapJobs, entry_of, mode_entry, wants_more
+from .swap_jobs import SwapJobs, entry_of, plan_in_modes, wants_more
 
 RECENT_STEPS = 4          # an estimated plan used this recently earns a detailed step
 FIT_COVERAGE = 0.9        # share of saved bytes a plan must match to be kept for a new sequence
@@ -142,14 +142,12 @@ class ChameleonPolicy:
         return span
 
     def _in_modes(self) -> Optional[PlanEntry]:
-        """For a step whose plan by keys is of other block modes: a cached plan of its modes
-        (the most recently used), else its mode plan's swap set (``swap_jobs.mode_entry``),
-        matched by keys from then on (the records matched so far come back as the guard's)."""
+        """For a step whose plan by keys is of other block modes: one of its modes
+        (``swap_jobs.plan_in_modes``), by keys from then on (records matched so far: guard's)."""
         m = self.modes
         if m.key is None or m.plan is None or m.upsized or self._no_plan_in_modes:
             return None
-        plan = next((e for e in self.cache.entries() if self._modes_agree(e)), None) \
-            or mode_entry(m.plan, self.step_no)
+        plan = plan_in_modes(self)
         self._no_plan_in_modes = plan is None
         if plan is not None:
             self._fuzzy, self._taken, self._span_of, self._rec_of = plan, set(), {}, {}
@@ -311,6 +309,7 @@ class ChameleonPolicy:
             # Llama at 25%, 50 MB/s: 110 ms predicted for steps of 117-141 ms, the mode plan's
             # 74 ms); its source only where it was replanned. (A mix's ``by_mix`` plan has none.)
             swap_stands = (applied is not None and applied.predicted_step_seconds and applied.modes
+                           and applied.size == self.modes.key    # (another's predicts another)
                            and self._modes_agree(applied) and self._fits(profile))
             mode_source = self.modes.source()
             source = source if swap_stands and source == "replanned" else mode_source or source

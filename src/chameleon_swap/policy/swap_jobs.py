@@ -22,6 +22,7 @@ import time
 from typing import Optional
 
 from ..planning.cache import PlanEntry, compile_mix, compile_plan
+from ..planning.signatures import step_size
 
 BACKGROUND_SECONDS = 0.02   # a plan made here that took longer sends the next ones to the process
 MAX_PENDING = 8             # plans in the process at once; more are made here (a new sequence
@@ -37,6 +38,7 @@ def entry_of(profile, tl_plan, step: int, pinned: bool) -> PlanEntry:
         entry.modes = {}
         for c in profile.blocks:
             entry.modes.setdefault(c.block, c.mode)
+        entry.size = step_size(profile.blocks[0].input_bytes)
     return entry
 
 
@@ -50,11 +52,23 @@ def mode_entry(plan, step: int) -> Optional[PlanEntry]:
         hp = plan.hybrid
         usable = (plan.keys and hp.swap.move and len(hp.origins) == len(hp.profile.spans))
         plan.entry = (compile_mix(hp.profile, hp.swap, hp.origins, plan.keys,
-                                  f"mix:{plan.key}:{','.join(hp.modes)}", step)
+                                  f"mix:{plan.key}:{','.join(hp.modes)}", step, plan.key)
                       if usable else False)
         if plan.entry:
             plan.entry.modes = dict(plan.modes)
     return plan.entry or None
+
+
+def plan_in_modes(policy) -> Optional[PlanEntry]:
+    """The plan by keys for a step of ``policy`` whose modes no cached plan's events agree with:
+    a cached plan made in its block modes at its size, else its mode plan's swap set
+    (``mode_entry``), else a cached plan in its modes made at another size (None: the guard).
+    The mode plan's is made for the step's size; another size's plan moves in proportion
+    (``wants_more``), but what it predicts is another step's."""
+    m = policy.modes
+    agree = [e for e in policy.cache.entries() if policy._modes_agree(e)]
+    return (next((e for e in agree if e.size == m.key), None)
+            or mode_entry(m.plan, policy.step_no) or next(iter(agree), None))
 
 
 def wants_more(plan: PlanEntry, step_bytes: int, plan_bytes: int, moved: int,
