@@ -201,3 +201,23 @@ def test_a_storage_saved_again_after_its_bytes_left_finds_its_record_and_is_not_
             assert storage() is None           # the engine kept no reference to its bytes
             loss.backward()
     assert torch.equal(x.grad, ref_grad)
+
+
+def test_a_storage_saved_again_after_its_bytes_left_still_catches_an_in_place_write():
+    """The handle made at the second save never held the bytes: its witness follows the
+    version, and a write in place before backward raises autograd's error (LESSONS 11)."""
+    import chameleon_swap as cs
+
+    x = torch.randn(64, 64, requires_grad=True)
+    with cs.Chameleon(0, device="cpu", min_tensor_bytes=0) as eng:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            with eng.step():
+                a = x * 2
+                s = a.sin()                    # copied out at once (budget 0); s stays alive,
+                c = a.cos()                    # its graph unused. Saved again: bytes on the host
+                with torch.no_grad():
+                    a.add_(1)
+                del a
+                c.sum().backward()             # unpacks the second handle only
+                del s
+

@@ -62,6 +62,10 @@ class Record:
                                       # or when the bytes leave)
 
 
+# Whether witnesses can follow a saved tensor's version once its bytes left (``_make_witness``).
+WITNESSES = hasattr(torch._C._autograd, "_unsafe_set_version_counter")
+
+
 class Handle:
     """Autograd's stand-in for one saved tensor."""
 
@@ -76,12 +80,18 @@ class Handle:
         # for saved *outputs* (node -> handle -> output -> grad_fn = node) that Python's gc cannot
         # see through C++, so a graph dropped without backward would never be freed.
         self.tensor: Optional[torch.Tensor] = t.detach()
-        # To check the version after we let go of the bytes: the saved object and, for a view,
-        # its base (a temporary view such as ``w.t()`` dies at once, while the base it shares a
-        # version counter with is what user code modifies in place).
-        self.tref = weakref.ref(t)
-        base = t._base
-        self.bref = weakref.ref(base) if base is not None else None
+        # To check the version after we let go of the bytes, the witness (``_make_witness``: the
+        # alias turned into a tensor that shares the saved one's version counter, so the base's
+        # too, without its storage). Where this torch lacks the private API it rests on, weak
+        # references do, taken now: the saved object and, for a view, its base (a temporary view
+        # such as ``w.t()`` dies at once, while the base it shares a version counter with is what
+        # user code modifies in place). A record that never moves (``rec`` None) needs neither.
+        if rec is not None and not WITNESSES:
+            self.tref = weakref.ref(t)
+            base = t._base
+            self.bref = weakref.ref(base) if base is not None else None
+        else:
+            self.tref = self.bref = None
         self.witness: Optional[torch.Tensor] = None   # see _make_witness
         self.version = t._version
         self.dirty: Optional[int] = None          # version seen when found modified in place
@@ -117,7 +127,7 @@ class Handle:
         t = self.tensor
         if t is not None:                 # the common case: no weak reference to follow
             return t._version
-        for t in (self.witness, self.tref(),
+        for t in (self.witness, self.tref() if self.tref is not None else None,
                   self.bref() if self.bref is not None else None):
             if t is not None:
                 return t._version
