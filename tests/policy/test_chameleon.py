@@ -5,6 +5,7 @@ here the guard underneath must keep them correct and under budget)."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -310,6 +311,17 @@ def test_a_step_in_new_block_modes_takes_a_cached_plan_of_its_modes_else_its_mod
         got = step_in_modes()
         assert got.by_mix and got.modes == plan.modes and pol._fuzzy is got and got.size == 5
         assert step_in_modes() is got                  # made once per mode plan
+        # A plan copied with another mix (a fallback on trial: ``mix_runs.Trials.start``) is
+        # not the plan the entry was made for: its own mix's swap set stands for it.
+        other = ("keep", "keep", "keep", "full")
+        view2 = apply_modes(prof, blocks, other)
+        hp2 = _made(view2, blocks, other, plan_swaps(view2, budget), prof)
+        assert hp2.swap.move
+        pol.begin_step()
+        pol.modes.key, pol.modes.upsized = 5, False
+        pol.modes.plan = replace(plan, modes=dict(enumerate(other)), hybrid=hp2)
+        got2 = pol._in_modes()
+        assert got2.by_mix and got2 is not got and got2.modes == dict(enumerate(other))
         pol.cache.put(entry("its modes and size", modes))
         assert step_in_modes().signature == "its modes and size"
         pol.cache = type(pol.cache)()

@@ -48,7 +48,7 @@ class ModePlan:
     stand_in: bool = False      # runs its plan's fallback until a later step is timed
     views_version: tuple = ()   # the stamp of the keep view it was made from (``view_stamp``)
     keys: tuple = ()            # that view's tensor keys (``KeepView.keys``)
-    entry: object = None        # its swap set as a plan by keys (``swap_jobs.mode_entry``)
+    entry: object = None        # (hybrid, its swap set as a plan by keys): ``swap_jobs.mode_entry``
 
 
 RUNS_KEPT = 3                   # step times kept per mix and size (their low median ranks it)

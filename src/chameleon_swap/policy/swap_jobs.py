@@ -48,15 +48,18 @@ def mode_entry(plan, step: int) -> Optional[PlanEntry]:
     its keep view's keys are unknown. A step in a mix that no step of its own planned yet runs
     on it instead of the guard alone (the emulated-link benchmark at 25%, 384 tokens: a mix that
     keeps blocks stalled 87-150 ms on such steps, 0-34 ms once its own plan was there)."""
-    if plan.entry is None:
-        hp = plan.hybrid
+    hp = plan.hybrid
+    if plan.entry is None or plan.entry[0] is not hp:
+        # (Made for this hybrid plan: a mode plan copied with another mix, a fallback on trial,
+        # carries the entry of the plan it was copied from.)
         usable = (plan.keys and hp.swap.move and len(hp.origins) == len(hp.profile.spans))
-        plan.entry = (compile_mix(hp.profile, hp.swap, hp.origins, plan.keys,
-                                  f"mix:{plan.key}:{','.join(hp.modes)}", step, plan.key)
-                      if usable else False)
-        if plan.entry:
-            plan.entry.modes = dict(plan.modes)
-    return plan.entry or None
+        entry = (compile_mix(hp.profile, hp.swap, hp.origins, plan.keys,
+                             f"mix:{plan.key}:{','.join(hp.modes)}", step, plan.key)
+                 if usable else None)
+        if entry is not None:
+            entry.modes = dict(plan.modes)
+        plan.entry = (hp, entry)
+    return plan.entry[1]
 
 
 def plan_in_modes(policy) -> Optional[PlanEntry]:
