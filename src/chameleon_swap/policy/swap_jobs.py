@@ -44,7 +44,7 @@ def entry_of(profile, tl_plan, step: int, pinned: bool) -> PlanEntry:
 
 def mode_entry(plan, step: int) -> Optional[PlanEntry]:
     """Mode plan ``plan``'s swap set (``mix_runs.ModePlan``: the search's, on its mix's timeline)
-    as a plan by keys (``compile_mix``), made once per mode plan; None where it moves nothing or
+    as a plan by keys (``compile_mix``), made once per hybrid plan; None where it moves nothing or
     its keep view's keys are unknown. A step in a mix that no step of its own planned yet runs
     on it instead of the guard alone (the emulated-link benchmark at 25%, 384 tokens: a mix that
     keeps blocks stalled 87-150 ms on such steps, 0-34 ms once its own plan was there)."""

@@ -275,10 +275,7 @@ class Executor:
                     self.offload(rec)
                     self.wait_offload(rec)
                     return h
-            rec.counted = True                    # _count, inlined
-            resident = self.resident_bytes = self.resident_bytes + nbytes
-            if resident > stats.peak_resident_bytes:
-                stats.peak_resident_bytes = resident
+            self._count(rec)
             # Within the budget with this save: what the policy moves now can wait (offload).
             self._optional = True
             try:
