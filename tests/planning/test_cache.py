@@ -8,7 +8,7 @@ from chameleon_swap.planning.mix_view import MODES
 from chameleon_swap.planning.modes import _made, apply_modes
 from chameleon_swap.planning.signatures import TensorKey
 from chameleon_swap.planning.swaps import plan as plan_swaps
-from test_modes import keep_view
+from _traces import keep_view
 
 
 def _keys(n):

@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 from chameleon_swap.planning.mix_view import MODES, apply_modes, own_spans, span_origins
 from chameleon_swap.planning.modes import plan_hybrid
 from _traces import gpu_keep_view
-from test_modes import keep_view
+from _traces import keep_view
 
 
 def _check_origins(prof, blocks, modes):

@@ -9,26 +9,7 @@ from hypothesis import given, settings, strategies as st
 from chameleon_swap.planning.modes import (Block, apply_modes, conversion_order,
                                            full_recompute_modes, plan_hybrid, working_set)
 from chameleon_swap.planning.timeline import Plan, Profile, Span, simulate, unmoved_peak
-from _traces import gpu_keep_view
-
-MB = 2**20
-
-
-def keep_view(n_blocks=4, per_block=3, nbytes=MB, fwd=1e-3, bw=1e9, selective=None,
-              input_bytes=None):
-    """A decoder-like step: each block saves ``per_block`` spans in its own forward slots;
-    backward needs them in reverse order at twice the forward cost."""
-    n = n_blocks * per_block
-    compute = [fwd] * n + [fwd] + [2 * fwd] * n
-    spans = [Span(nbytes, i, n + 1 + (n - 1 - i)) for i in range(n)]
-    prof = Profile(compute, n, spans, bw, bw)
-    sel_b = None if selective is None else int(selective * per_block * nbytes)
-    sel_s = None if selective is None else selective * per_block * fwd
-    blocks = [Block(b * per_block, (b + 1) * per_block, per_block * fwd,
-                    input_bytes if input_bytes is not None else nbytes // 2, sel_b, sel_s)
-              for b in range(n_blocks)]
-    return prof, blocks
-
+from _traces import MB, gpu_keep_view, keep_view
 
 def test_apply_modes_full_block():
     prof, blocks = keep_view(n_blocks=2, per_block=3)

@@ -266,9 +266,6 @@ def test_a_step_in_new_block_modes_takes_a_cached_plan_of_its_modes_else_its_mod
     with (``ChameleonPolicy._in_modes``): a cached plan made in the step's modes at its size,
     else the step's mode plan's own swap set (``by_mix``), else a cached plan in its modes made
     at another size, else none."""
-    import sys
-    from pathlib import Path
-
     from chameleon_swap.copy import make_copy_engine
     from chameleon_swap.copy.host_pool import HostPool
     from chameleon_swap.planning.cache import PlanEntry
@@ -278,8 +275,7 @@ def test_a_step_in_new_block_modes_takes_a_cached_plan_of_its_modes_else_its_mod
     from chameleon_swap.policy.chameleon import ChameleonPolicy
     from chameleon_swap.policy.mix_runs import ModePlan
     from chameleon_swap.runtime.executor import Executor
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "planning"))
-    from test_modes import keep_view
+    from _traces import keep_view
 
     prof, blocks = keep_view(n_blocks=4, per_block=3)
     modes = ("keep", "keep", "full", "full")
