@@ -290,6 +290,9 @@ class Chameleon:
                              accountant=self._ex, clock=self._profiler.clock,
                              apart_fn=self._profiler.apart_mark)
         runner.working_set_fn = policy.working_set
+        # Its full blocks run with the engine's module hooks out of the way where that is safe.
+        me = weakref.ref(self)
+        runner.quiet_hooks = lambda forward: module_hooks.quiet(me(), forward)
         policy.modes.eligible = list(runner.eligible)
         policy.modes.selective_safe = runner.selective_safe
         policy.modes.views.param_shapes = frozenset(
@@ -298,7 +301,7 @@ class Chameleon:
         if self.config.plan_in_background:
             from .policy.background import Worker
             policy.modes.worker = Worker()          # (its process starts with the first plan)
-        runner.install(probe=False)           # its probe runs in module_hooks._pre
+        runner.install(probe=False)      # its probe runs in the engine's pre hook (module_hooks)
         return runner
 
     # ------------------------------------------------------------------ lifecycle

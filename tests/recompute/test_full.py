@@ -284,6 +284,43 @@ def test_a_module_called_first_on_a_shape_already_walked_is_found_by_the_probe(e
     assert sum(k[0] == 0 for k in runner._walked) == 1
 
 
+class OnValuesLeaf(Block):
+    """Scales by a tensor it holds as a plain attribute (no module's parameter, so no probe can
+    see it) only where the input's sum is positive: a leaf reached by values."""
+
+    def __init__(self, shared=None) -> None:
+        super().__init__()
+        self.gain = torch.full((8,), 1.5, requires_grad=True)
+
+    def forward(self, x, scale=None):
+        h = self.fc2(torch.tanh(self.fc1(x)))
+        return x + (h * self.gain if float(x.sum()) > 0 else h)
+
+
+def test_with_the_engine_a_leaf_first_reached_on_a_walked_shape_gets_its_gradient():
+    # The engine's full recomputes after the first at a shape run with its module hooks out of
+    # the way and are walked every time instead: a leaf no module holds, first reached by
+    # values at a shape already walked, gets its gradient in that very backward (a runner on
+    # its own, with no engine, walks once per shape: ``full.py``'s limit).
+    import chameleon_swap as cs
+    model = shared_first(OnValuesLeaf, seed=7)
+    ref = copy.deepcopy(model)
+    xs = [-randn(2, 5, 8, seed=1).abs(), randn(2, 5, 8, seed=2).abs(), randn(2, 5, 8, seed=3)]
+    with cs.Chameleon(None, model=model, blocks="layers") as eng:
+        eng._runner.mode_fn = lambda b: "full"
+        for k, x in enumerate(xs):
+            model.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+            model.layers[0].gain.grad = ref.layers[0].gain.grad = None
+            with eng.step():
+                loss = trained(model, x)
+            assert_bitwise(trained(ref, x), grads(ref), loss, grads(model))
+            got, want = model.layers[0].gain.grad, ref.layers[0].gain.grad
+            assert (got is None) == (want is None) == (k == 0)
+            assert want is None or torch.equal(got, want)
+        assert sum(k[0] == 0 for k in eng._runner._walked) == 1
+
+
 class Passes(nn.Module):
     """A block that returns its input, or a view of it (a skipped layer)."""
 

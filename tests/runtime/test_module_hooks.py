@@ -115,3 +115,131 @@ def test_an_engine_collected_after_a_pause_takes_its_new_hooks_with_it():
     del eng
     gc.collect()
     assert len(mod._global_forward_pre_hooks) + len(mod._global_forward_hooks) == before
+
+
+@pytest.fixture
+def alone():
+    """No global module hooks but those the test registers (engines of earlier tests not yet
+    collected leave theirs): put back as they were after it."""
+    mod = torch.nn.modules.module
+    held = [(d, dict(d)) for d in (mod._global_forward_pre_hooks, mod._global_forward_hooks)]
+    for d, _ in held:
+        d.clear()
+    yield
+    for d, items in held:
+        d.update(items)
+
+
+class _Counts(torch.nn.Module):
+    """Wraps a block's first linear: counts its calls and notes, per call, whether the engine's
+    hooks were in torch's global dicts (``engine_hooks_in``)."""
+
+    def __init__(self, inner: torch.nn.Module, eng_ref: list) -> None:
+        super().__init__()
+        self.inner, self.eng_ref, self.seen = inner, eng_ref, []
+
+    def forward(self, x):
+        eng = self.eng_ref[0]
+        self.seen.append((torch.is_grad_enabled(), _engine_hooks_registered(eng) if eng else 0))
+        return self.inner(x)
+
+
+def _counted(model):
+    """``model`` with its blocks' ``fc1`` wrapped in ``_Counts``; the list the engine goes in."""
+    eng_ref = [None]
+    for layer in model.layers:
+        layer.fc1 = _Counts(layer.fc1, eng_ref)
+    return eng_ref
+
+
+@pytest.mark.parametrize("mode", ["full", "keep", "selective"])
+def test_the_hooks_step_aside_inside_full_blocks_only_and_come_back(monkeypatch, alone, mode):
+    # Inside a full block's forward (no_grad) and its recomputes after the first at a shape, no
+    # module event is needed: the engine's hooks leave torch's dicts (module calls take the fast
+    # path) and come back after each. The first recompute at a shape keeps them (the probe).
+    monkeypatch.setattr(module_hooks, "_compiled", lambda: False)
+    model, ref = TModel(p=0.0), TModel(p=0.0)
+    eng_ref = _counted(model)
+    _counted(ref)
+    with cs.Chameleon(10**9, model=model, blocks="layers") as eng:
+        eng_ref[0] = eng
+        eng._runner.mode_fn = lambda b: mode
+        for k in range(3):
+            x = randn(2, 9, 16, seed=k)
+            model.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+            with eng.step():
+                loss = model(x)
+                loss.backward()
+            ref_loss = ref(x)
+            ref_loss.backward()
+            assert_bitwise(ref_loss, grads(ref), loss, grads(model))
+            assert _engine_hooks_registered(eng) == 2
+        seen = [s for layer in model.layers for s in layer.fc1.seen]
+    forward = [n for grad, n in seen if not grad]
+    recompute = [n for grad, n in seen if grad]
+    if mode == "full":
+        assert forward == [0] * 9                    # 3 blocks x 3 steps, all out of the way
+        # Per block: its first recompute (step 0) with the hooks, the next two without.
+        assert sorted(recompute) == [0] * 6 + [2] * 3
+    elif mode == "keep":
+        assert not forward and recompute == [2] * 9  # kept: called once a step, hooks in
+    else:
+        assert 2 in recompute and 0 not in recompute    # selective: never out of the way
+
+
+def test_the_hooks_stay_where_another_hook_or_a_compiled_frame_could_tell(monkeypatch, alone):
+    # With a user's own global hook, taking ours out would reorder theirs against ours on the way
+    # back: nothing moves, and their hook sees every call inside the block. After torch.compile
+    # ran in the process, dynamo may read the dicts when it traces: nothing moves either. The
+    # recompute is walked all the same, so gradients stay the plain step's bits.
+    model, ref = TModel(p=0.0), TModel(p=0.0)
+    eng_ref = _counted(model)
+    _counted(ref)
+    mod = torch.nn.modules.module
+    calls = []
+    with cs.Chameleon(10**9, model=model, blocks="layers") as eng:
+        eng_ref[0] = eng
+        eng._runner.mode_fn = lambda b: "full"
+        for compiled, theirs in ((False, True), (True, False)):
+            monkeypatch.setattr(module_hooks, "_compiled", lambda: compiled)
+            handle = mod.register_module_forward_pre_hook(
+                lambda m, a: calls.append(m)) if theirs else None
+            try:
+                for k in range(2):
+                    x = randn(2, 9, 16, seed=k)
+                    model.zero_grad(set_to_none=True)
+                    ref.zero_grad(set_to_none=True)
+                    with eng.step():
+                        loss = model(x)
+                        loss.backward()
+                    ref_loss = ref(x)
+                    ref_loss.backward()
+                    assert_bitwise(ref_loss, grads(ref), loss, grads(model))
+            finally:
+                if handle is not None:
+                    handle.remove()
+            order = [k for k in (*mod._global_forward_pre_hooks, *mod._global_forward_hooks)]
+            assert order == [h.id for h in eng._hooks]
+        seen = [n for layer in model.layers for _, n in layer.fc1.seen]
+    assert seen and all(n == 2 for n in seen)
+    inner = [m for m in calls if any(m is layer.fc1 for layer in model.layers)]
+    assert len(inner) == 2 * 3 * 2              # 2 steps x 3 blocks x (forward, recompute)
+
+
+def test_the_hooks_come_back_when_a_full_block_raises(monkeypatch, alone):
+    monkeypatch.setattr(module_hooks, "_compiled", lambda: False)
+    model = TModel(p=0.0)
+    eng_ref = _counted(model)
+
+    def boom(x):
+        raise ValueError("inside the block")
+    with cs.Chameleon(10**9, model=model, blocks="layers") as eng:
+        eng_ref[0] = eng
+        eng._runner.mode_fn = lambda b: "full"
+        model.layers[1].fc1.inner.forward = boom
+        with pytest.raises(ValueError, match="inside the block"):
+            with eng.step():
+                model(randn(2, 9, 16))
+        assert _engine_hooks_registered(eng) == 2
+        assert model.layers[1].fc1.seen == [(False, 0)]       # it ran with them out of the way

@@ -27,10 +27,13 @@ of the step for its 8 layers walked every time): their gradients are accumulated
 ``.grad`` by a nested ``torch.autograd.backward`` (what reentrant checkpoint does for all of
 them), and ``on_walk`` is told what was found, so that the runner passes them as the Function's
 inputs too from the next call on, where their gradients go back through the outer backward like
-the parameters'. The runner walks a block's first backward for each shape of its inputs, and
-every backward of a block once found to reach leaves not its own. The limit: a leaf that is
-neither the block's nor a called module's, reached for the first time on inputs of a shape
-already walked (a choice made on values, not shapes), would miss its gradient in that backward.
+the parameters'. Under the engine the runner walks every backward: its recomputes after a
+block's first at a shape run with the engine's module hooks out of the way (so without the
+probe; ``module_hooks.Quiet``), and the walk finds every leaf. A runner on its own walks a block's
+first backward for each shape of its inputs, and every backward of a block once found to reach
+leaves not its own; there, a leaf that is neither the block's nor a called module's, reached for
+the first time on inputs of a shape already walked (a choice made on values, not shapes), would
+miss its gradient in that backward.
 
 Under ``create_graph`` (a gradient penalty) the gradients are right, but they reach a parameter
 through the recompute's nodes and the Function's edge instead of the forward's own nodes, so

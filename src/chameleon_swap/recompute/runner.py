@@ -43,7 +43,7 @@ import functools
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -162,6 +162,10 @@ class BlockRunner:
         self.model = model
         self.mode_fn = mode_fn
         self.working_set_fn: Optional[Callable[[int], int]] = None
+        # (forward) -> a context in which the caller's global module hooks step aside while a
+        # full block runs (the engine's ``module_hooks.quiet``); None: they stay, and every
+        # recompute after a block's first at a shape is walked only where it reached leaves.
+        self.quiet_hooks: Optional[Callable[[bool], Any]] = None
         self.input_bytes = 0                # the running call's input bytes (set before mode_fn)
         self._hold, self._release, self._index = accountant.hold, release, index_fn
         self.clock = clock if clock is not None else _CpuClock()
@@ -377,26 +381,43 @@ class BlockRunner:
         live = _Live(call, self._step, flat[0].device if flat else None)
         self._live.append(live)
 
+        full_call = call.mode == "full" and not self._create_graph
+        shapes = (i, *((t.shape, t.dtype) for t in flat)) if full_call else None
+        # A full block's forward runs under no_grad, where the user's non-reentrant checkpoint
+        # pushes no hooks: the probe finds nothing there. Its recompute is probed the first time
+        # at a shape; after that, where the caller can take its module hooks out of the way,
+        # the recompute runs without them (so without the probe) and its graph is walked
+        # instead, which finds every leaf not the block's (``full.py``), a called module's too.
+        quiet = self.quiet_hooks if full_call else None
+        hushed = quiet is not None and shapes in self._walked
+
         def run(*tensors):
             a, k = rebuild(tensors)
-            if self._recomputes:        # (full's forward runs under no_grad: the user's
-                # non-reentrant checkpoint pushes its hooks only here, where full's are on top)
-                return self._probed(i, orig, a, k) if call.mode == "full" else orig(*a, **k)
+            if self._recomputes:        # (the user's non-reentrant checkpoint pushes its
+                # hooks only here, where full's are on top)
+                if call.mode != "full":
+                    return orig(*a, **k)
+                if hushed:
+                    with quiet(False):
+                        return orig(*a, **k)
+                return self._probed(i, orig, a, k)
             self.quiet += 1
             try:
+                if quiet is not None:
+                    with quiet(True):
+                        return orig(*a, **k)
                 return self._probed(i, orig, a, k)
             finally:
                 self.quiet -= 1
 
-        if call.mode == "full" and not self._create_graph:
+        if full_call:
             params = [p for p in self.blocks[i].parameters() if p.requires_grad]
             params += [t for t in self._foreign.get(i, ()) if t.requires_grad]
-            shapes = (i, *((t.shape, t.dtype) for t in flat))
             out = full.FullCall(run, params, lambda: _Recompute(self, live, None, outside=True),
                                 functools.partial(self._reentrant.add, i),
                                 functools.partial(setattr, self, "_create_graph", True),
                                 self._reached, functools.partial(self._found, shapes),
-                                walk=i in self._foreign or shapes not in self._walked,
+                                walk=hushed or i in self._foreign or shapes not in self._walked,
                                 accumulate=i in self._reentrant).run(flat)
         else:
             forward_ctx, recompute_ctx = (selective.selective_contexts(functools.partial(
