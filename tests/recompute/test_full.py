@@ -342,3 +342,20 @@ def test_a_block_that_returns_its_input_or_a_view_of_it(view):
     x = randn(2, 5, 8)
     loss = stepped(runner, lambda: trained(model, x))
     assert_bitwise(trained(ref, x), grads(ref), loss, grads(model))
+
+
+@pytest.mark.parametrize("by_type", [True, False])
+def test_the_walk_finds_the_leaves_by_node_type_or_by_asking_each_node(monkeypatch, by_type):
+    # On a torch that does not expose the accumulator's type, each node is asked for a
+    # ``variable``: the same leaves either way, each once, the known ones left out.
+    from chameleon_swap.recompute import full
+    if not by_type:
+        monkeypatch.setattr(full, "_ACCUMULATE", None)
+    a, b, c = (torch.randn(3, requires_grad=True) for _ in range(3))
+    x = torch.randn(3, requires_grad=True)
+    y = ((x * a).sin() * b + a * c).sum()
+    known = {id(x)}
+    found = full._foreign([y], [x], known, False)
+    assert sorted(id(t) for t in found) == sorted(id(t) for t in (a, b, c))
+    assert len(found) == 3 and known == {id(t) for t in (x, a, b, c)}
+    assert full._foreign([y], [x], known, False) == []
