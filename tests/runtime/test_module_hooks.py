@@ -243,3 +243,40 @@ def test_the_hooks_come_back_when_a_full_block_raises(monkeypatch, alone):
                 model(randn(2, 9, 16))
         assert _engine_hooks_registered(eng) == 2
         assert model.layers[1].fc1.seen == [(False, 0)]       # it ran with them out of the way
+
+
+def test_the_dicts_stay_the_same_objects_and_a_hook_registered_inside_keeps_running(
+        monkeypatch, alone):
+    # Stand-ins take the dicts' place, the dicts themselves are never emptied (another thread's
+    # module call may be going through them); a hook someone registers inside the block went
+    # into a stand-in and runs from then on all the same.
+    monkeypatch.setattr(module_hooks, "_compiled", lambda: False)
+    mod = torch.nn.modules.module
+    model = TModel(p=0.0)
+    eng_ref = _counted(model)
+    seen, handles = [], []
+    inner = model.layers[0].fc1.inner
+    orig = inner.forward
+
+    def registering(x):
+        if not handles:
+            handles.append(mod.register_module_forward_pre_hook(lambda m, a: seen.append(m)))
+        return orig(x)
+    with cs.Chameleon(10**9, model=model, blocks="layers") as eng:
+        eng_ref[0] = eng
+        eng._runner.mode_fn = lambda b: "full"
+        dicts = (mod._global_forward_pre_hooks, mod._global_forward_hooks)
+        inner.forward = registering
+        with eng.step():
+            model(randn(2, 9, 16)).backward()
+        assert model.layers[0].fc1.seen[0] == (False, 0)      # registered while out of the way
+        assert (mod._global_forward_pre_hooks, mod._global_forward_hooks) == dicts
+        assert all(a is b for a, b in zip(dicts, (mod._global_forward_pre_hooks,
+                                                  mod._global_forward_hooks)))
+        assert _engine_hooks_registered(eng) == 2
+        seen.clear()
+        model.head(randn(2, 16))
+        assert seen == [model.head]
+    handles[0].remove()                   # (made on a stand-in: it cannot remove the hook)
+    assert handles[0].id in dicts[0]
+    del dicts[0][handles[0].id]

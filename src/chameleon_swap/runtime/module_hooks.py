@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections import OrderedDict
 from typing import Callable, Optional
 
 import torch
@@ -79,11 +80,13 @@ class Quiet:
     leaf the probe finds, and those no module holds). Measured on this project's 2-core CPU (the
     demo's Llama at 160 tokens, every block recomputed, thread CPU time of 40 interleaved steps),
     the hooks out of the way took 1.0% off the step in the blocks' forwards and 3.3% in their
-    recomputes too; with the walk of every recompute paid (about 1 ms a step), whole steps
-    read 0.98-1.03x of the hooks left in over four runs of 40-80 steps: level within this
-    machine's noise, and every backward walked. They are taken out only where nothing can tell: they are the only global forward hooks (so putting
-    them back restores the order), torch.compile has compiled no frame in this process (dynamo
-    reads these dicts when it traces a module call), and, in a forward, no
+    recomputes too; with the walk of every recompute paid (81-133 us a block then, 28-57 us
+    since), whole steps read 0.98-1.03x of the hooks left in over four runs of 40-80 steps:
+    level within this machine's noise, and every backward walked.
+
+    They are taken out only where nothing can tell: they are the only global forward hooks (so
+    putting them back restores the order), torch.compile has compiled no frame in this process
+    (dynamo reads these dicts when it traces a module call), and, in a forward, no
     ``device_memory_limit`` counts module calls. Otherwise this does nothing."""
     __slots__ = ("eng", "forward", "held")
 
@@ -93,19 +96,28 @@ class Quiet:
     def __enter__(self) -> None:
         eng = self.eng
         pre, post = _mod._global_forward_pre_hooks, _mod._global_forward_hooks
-        n = len(pre) + len(post)
-        if eng is None or n == 0 or n != len(eng._hooks) or (self.forward and eng._memory is not None) \
-                or _compiled() or not all(h.id in pre or h.id in post for h in eng._hooks):
+        if eng is None or not eng._hooks or len(pre) + len(post) != len(eng._hooks) \
+                or (self.forward and eng._memory is not None) or _compiled() \
+                or not all(h.id in pre or h.id in post for h in eng._hooks):
             return
-        self.held = (dict(pre), dict(post))
-        pre.clear()
-        post.clear()
+        # Empty stand-ins in their place, the dicts themselves left as they are: a module call
+        # on another thread may be going through them (nn.DataParallel's replicas), and
+        # rebinding a module attribute is atomic where emptying a dict under an iteration
+        # would raise in that thread. torch reads them by that attribute at every call.
+        self.held = (pre, post)
+        _mod._global_forward_pre_hooks = OrderedDict()
+        _mod._global_forward_hooks = OrderedDict()
 
     def __exit__(self, *exc) -> None:
         held, self.held = self.held, None
-        if held is not None:
-            _mod._global_forward_pre_hooks.update(held[0])
-            _mod._global_forward_hooks.update(held[1])
+        if held is None:
+            return
+        pre, post = _mod._global_forward_pre_hooks, _mod._global_forward_hooks
+        _mod._global_forward_pre_hooks, _mod._global_forward_hooks = held
+        # A hook registered meanwhile went into a stand-in: it runs from here on too (its
+        # handle, made on the stand-in, cannot remove it).
+        held[0].update(pre)
+        held[1].update(post)
 
 
 def quiet(eng, forward: bool) -> Quiet:
