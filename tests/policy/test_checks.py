@@ -224,11 +224,15 @@ def test_every_plan_carries_its_prediction_and_a_miss_replans_on_the_emulated_li
     assert 0.7 <= ratios[1] <= 1.4, [(s.step_seconds, s.predicted_step_seconds) for s in hist]
 
 
+@pytest.mark.usefixtures("plans_land_by_the_next_step")
 def test_a_model_that_misses_is_corrected_and_the_step_says_replanned(monkeypatch):
     # Planned for a link 20x faster than the copies run: every plan under-predicts its stall
     # until the engine measures the link and plans again. (Plans from the first step's times
     # run their fallback, which copies nothing: here that often ran all full from the second
-    # step on, never copied, and had nothing to miss. Off: this is about the misses.)
+    # step on, never copied, and had nothing to miss. Off: this is about the misses. And the
+    # planner process's plans land by the next step: in one fresh-clone suite of 2026-11-27 on
+    # the loaded 2-core machine the 7 steps had a replan but left the link uncorrected (not
+    # seen again in 16 runs alone or beside a busy core; likely the plans that move came late).)
     from chameleon_swap.policy import block_modes
     monkeypatch.setattr(block_modes, "FIRST_PLANS_FALL_BACK", False)
     model = tiny_llama(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=256)
