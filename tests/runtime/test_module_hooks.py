@@ -152,6 +152,22 @@ def _counted(model):
     return eng_ref
 
 
+def _steps_match(eng, model, ref, seeds) -> None:
+    """A step of ``model`` under ``eng`` and of ``ref`` without it per seed: the same bits, and
+    the engine's two hooks in torch's dicts after each."""
+    for k in seeds:
+        x = randn(2, 9, 16, seed=k)
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        with eng.step():
+            loss = model(x)
+            loss.backward()
+        ref_loss = ref(x)
+        ref_loss.backward()
+        assert_bitwise(ref_loss, grads(ref), loss, grads(model))
+        assert _engine_hooks_registered(eng) == 2
+
+
 @pytest.mark.parametrize("mode", ["full", "keep", "selective"])
 def test_the_hooks_step_aside_inside_full_blocks_only_and_come_back(monkeypatch, alone, mode):
     # Inside a full block's forward (no_grad) and its recomputes after the first at a shape, no
@@ -164,17 +180,7 @@ def test_the_hooks_step_aside_inside_full_blocks_only_and_come_back(monkeypatch,
     with cs.Chameleon(10**9, model=model, blocks="layers") as eng:
         eng_ref[0] = eng
         eng._runner.mode_fn = lambda b: mode
-        for k in range(3):
-            x = randn(2, 9, 16, seed=k)
-            model.zero_grad(set_to_none=True)
-            ref.zero_grad(set_to_none=True)
-            with eng.step():
-                loss = model(x)
-                loss.backward()
-            ref_loss = ref(x)
-            ref_loss.backward()
-            assert_bitwise(ref_loss, grads(ref), loss, grads(model))
-            assert _engine_hooks_registered(eng) == 2
+        _steps_match(eng, model, ref, range(3))
         seen = [s for layer in model.layers for s in layer.fc1.seen]
     forward = [n for grad, n in seen if not grad]
     recompute = [n for grad, n in seen if grad]
@@ -206,16 +212,7 @@ def test_the_hooks_stay_where_another_hook_or_a_compiled_frame_could_tell(monkey
             handle = mod.register_module_forward_pre_hook(
                 lambda m, a: calls.append(m)) if theirs else None
             try:
-                for k in range(2):
-                    x = randn(2, 9, 16, seed=k)
-                    model.zero_grad(set_to_none=True)
-                    ref.zero_grad(set_to_none=True)
-                    with eng.step():
-                        loss = model(x)
-                        loss.backward()
-                    ref_loss = ref(x)
-                    ref_loss.backward()
-                    assert_bitwise(ref_loss, grads(ref), loss, grads(model))
+                _steps_match(eng, model, ref, range(2))
             finally:
                 if handle is not None:
                     handle.remove()
