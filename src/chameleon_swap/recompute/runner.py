@@ -388,8 +388,8 @@ class BlockRunner:
         # at a shape; after that, where the caller can take its module hooks out of the way,
         # the recompute runs without them (so without the probe) and its graph is walked
         # instead, which finds every leaf not the block's (``full.py``), a called module's too.
-        quiet = self.quiet_hooks if full_call else None
-        hushed = quiet is not None and shapes in self._walked
+        aside = self.quiet_hooks if full_call else None
+        hushed = aside is not None and shapes in self._walked
 
         def run(*tensors):
             a, k = rebuild(tensors)
@@ -398,13 +398,13 @@ class BlockRunner:
                 if call.mode != "full":
                     return orig(*a, **k)
                 if hushed:
-                    with quiet(False):
+                    with aside(False):
                         return orig(*a, **k)
                 return self._probed(i, orig, a, k)
             self.quiet += 1
             try:
-                if quiet is not None:
-                    with quiet(True):
+                if aside is not None:
+                    with aside(True):
                         return orig(*a, **k)
                 return self._probed(i, orig, a, k)
             finally:

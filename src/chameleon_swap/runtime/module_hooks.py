@@ -134,7 +134,8 @@ except ImportError:                      # no dynamo: nothing compiles
 
 
 def _compiled() -> bool:
-    """Whether torch.compile has converted a frame in this process (or whether cannot be told)."""
+    """Whether torch.compile has converted a frame in this process (True where that cannot be
+    told)."""
     if _dynamo_counters is None:
         return False
     try:
