@@ -17,22 +17,22 @@ Measured (this project's 2-core CPU, torch 2.13, the demo's HF Llama 128 x 8 at 
 every layer recomputed, one thread, 30 interleaved steps): 77.0 ms a step against 81.2 ms with
 non-reentrant checkpointing (the plain step 60.3 ms), the same bits.
 
-Leaves the block reaches that are not its parameters are found two ways. The parameters of
-modules outside the block that its recompute calls (a shared module it calls but does not hold)
-come from the runner's module probe in the recomputes it probes (``reached``; see below). Any
-other (a parameter used without calling its module, a tensor in a closure) is found by walking
-the recompute's graph (``walk``; 78 nodes for a layer of the demo's Llama at 160 tokens, 28-57 us alone on the 2-core CPU where asking each node
-for a ``variable`` took 81-133 us: see ``_foreign``): their gradients are accumulated into their
-``.grad`` by a nested ``torch.autograd.backward`` (what reentrant checkpoint does for all of
-them), and ``on_walk`` is told what was found, so that the runner passes them as the Function's
-inputs too from the next call on, where their gradients go back through the outer backward like
-the parameters'. Under the engine the runner walks every backward: its recomputes after a
-block's first at a shape run with the engine's module hooks out of the way (so without the
-probe; ``module_hooks.Quiet``), and the walk finds every leaf. A runner on its own walks a block's
-first backward for each shape of its inputs, and every backward of a block once found to reach
-leaves not its own; there, a leaf that is neither the block's nor a called module's, reached for
-the first time on inputs of a shape already walked (a choice made on values, not shapes), would
-miss its gradient in that backward.
+Leaves the block reaches that are not its parameters are found two ways. The parameters of modules
+outside the block that its recompute calls (a shared module it calls but does not hold) come from
+the runner's module probe in the recomputes it probes (``reached``; see below). Any other (a
+parameter used without calling its module, a tensor in a closure) is found by walking the
+recompute's graph (``walk``; 78 nodes for a layer of the demo's Llama at 160 tokens, 28-57 us alone
+on the 2-core CPU where asking each node for a ``variable`` took 81-133 us: see ``_foreign``): their
+gradients are accumulated into their ``.grad`` by a nested ``torch.autograd.backward`` (what
+reentrant checkpoint does for all of them), and ``on_walk`` is told what was found, so that the
+runner passes them as the Function's inputs too from the next call on, where their gradients go back
+through the outer backward like the parameters'. Under the engine the runner walks every backward:
+its recomputes after a block's first at a shape run with the engine's module hooks out of the way
+(so without the probe; ``module_hooks.Quiet``), and the walk finds every leaf. A runner on its own
+walks a block's first backward for each shape of its inputs, and every backward of a block once
+found to reach leaves not its own; there, a leaf that is neither the block's nor a called module's,
+reached for the first time on inputs of a shape already walked (a choice made on values, not
+shapes), would miss its gradient in that backward.
 
 Under ``create_graph`` (a gradient penalty) the gradients are right, but they reach a parameter
 through the recompute's nodes and the Function's edge instead of the forward's own nodes, so
