@@ -292,7 +292,7 @@ class Chameleon:
         runner.working_set_fn = policy.working_set
         # Its full blocks run with the engine's module hooks out of the way where that is safe.
         me = weakref.ref(self)
-        runner.quiet_hooks = lambda forward: module_hooks.quiet(me(), forward)
+        runner.quiet_hooks = lambda forward: module_hooks.Quiet(me(), forward)
         policy.modes.eligible = list(runner.eligible)
         policy.modes.selective_safe = runner.selective_safe
         policy.modes.views.param_shapes = frozenset(

@@ -163,7 +163,7 @@ class BlockRunner:
         self.mode_fn = mode_fn
         self.working_set_fn: Optional[Callable[[int], int]] = None
         # (forward) -> a context in which the caller's global module hooks step aside while a
-        # full block runs (the engine's ``module_hooks.quiet``); None: they stay, and every
+        # full block runs (the engine's ``module_hooks.Quiet``); None: they stay, and every
         # recompute after a block's first at a shape is walked only where it reached leaves.
         self.quiet_hooks: Optional[Callable[[bool], Any]] = None
         self.input_bytes = 0                # the running call's input bytes (set before mode_fn)

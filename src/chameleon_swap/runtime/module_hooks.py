@@ -35,14 +35,15 @@ import torch
 
 from ._eager import eager, frame_callback, is_compiling, mark_eager
 
+_mod = torch.nn.modules.module
+
 
 def register(eng, resident_only: bool) -> list:
     """Register the engine's global module hooks; returns their handles."""
-    mod = torch.nn.modules.module
     if resident_only:
-        return [mod.register_module_forward_pre_hook(_weak_hook(eng, _buffers))]
+        return [_mod.register_module_forward_pre_hook(_weak_hook(eng, _buffers))]
     pre, post = _step_hooks(eng)
-    return [mod.register_module_forward_pre_hook(pre), mod.register_module_forward_hook(post)]
+    return [_mod.register_module_forward_pre_hook(pre), _mod.register_module_forward_hook(post)]
 
 
 def remove(hooks) -> None:
@@ -73,7 +74,8 @@ def paused(engines):
 
 class Quiet:
     """The engine's global module hooks out of the way while a block runs checkpointed, for the
-    module calls inside it to take torch's fast call path (``quiet(eng, forward)``).
+    module calls inside it to take torch's fast call path (``Quiet(eng, forward)``: ``forward``
+    for a checkpointed block's forward, else its recompute).
 
     Inside a full block's forward (under no_grad) and its recompute the hooks do nothing but the
     runner's probe, which a walk of the recompute's graph replaces (``full.py``; it finds every
@@ -120,13 +122,6 @@ class Quiet:
         held[1].update(post)
 
 
-def quiet(eng, forward: bool) -> Quiet:
-    """A context in which ``eng``'s global module hooks are out of the way where that is safe
-    (see ``Quiet``): ``forward`` for a checkpointed block's forward, else its recompute."""
-    return Quiet(eng, forward)
-
-
-_mod = torch.nn.modules.module
 try:
     from torch._dynamo.utils import counters as _dynamo_counters
 except ImportError:                      # no dynamo: nothing compiles
