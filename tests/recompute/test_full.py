@@ -2,6 +2,7 @@
 block again, and every gradient what the plain step gives, however the backward is asked for."""
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -359,3 +360,47 @@ def test_the_walk_finds_the_leaves_by_node_type_or_by_asking_each_node(monkeypat
     assert sorted(id(t) for t in found) == sorted(id(t) for t in (a, b, c))
     assert len(found) == 3 and known == {id(t) for t in (x, a, b, c)}
     assert full._foreign([y], [x], known, False) == []
+
+
+class Dropped(Block):
+    def forward(self, x, scale=None):
+        return super().forward(nn.functional.dropout(x, 0.3, self.training), scale)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_rng_is_restored_only_for_a_block_that_drew_from_it(monkeypatch, autocast):
+    # A block without dropout draws nothing: its recompute neither forks nor resets the RNG.
+    # One with dropout gets its forward's masks back, and the step's RNG ends where the plain
+    # step's does. Under autocast the recompute runs under it too (bfloat16 on the CPU).
+    forks = []
+    real = torch.random.fork_rng
+    monkeypatch.setattr(torch.random, "fork_rng", lambda *a, **k: forks.append(1) or real(*a, **k))
+
+    def build():
+        torch.manual_seed(5)
+        m = nn.Module()
+        m.layers = nn.ModuleList([Block(), Dropped(), Block()])
+        return m
+
+    model, ref = build(), build()
+    runner = BlockRunner(model, "layers", mode_fn=lambda b: "full", accountant=Books())
+    runner.install()
+    x = randn(2, 5, 8)
+    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else \
+        contextlib.nullcontext
+
+    def step(m):
+        torch.manual_seed(3)
+        with ctx():
+            h = x
+            for layer in m.layers:
+                h = layer(h)
+            loss = h.float().pow(2).mean()
+        loss.backward()
+        return loss.detach(), torch.rand(3)
+
+    got = stepped(runner, lambda: step(model))
+    want = step(ref)
+    assert len(forks) == 1                      # the dropout block's recompute only
+    assert torch.equal(got[1], want[1])         # the RNG where the plain step leaves it
+    assert_bitwise(want[0], grads(ref), got[0], grads(model))

