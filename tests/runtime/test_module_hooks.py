@@ -246,7 +246,7 @@ def test_the_dicts_stay_the_same_objects_and_a_hook_registered_inside_keeps_runn
         monkeypatch, alone):
     # Stand-ins take the dicts' place, the dicts themselves are never emptied (another thread's
     # module call may be going through them); a hook someone registers inside the block went
-    # into a stand-in and runs from then on all the same.
+    # into a stand-in and runs from then on all the same, and its handle removes it.
     monkeypatch.setattr(module_hooks, "_compiled", lambda: False)
     mod = torch.nn.modules.module
     model = TModel(p=0.0)
@@ -274,6 +274,9 @@ def test_the_dicts_stay_the_same_objects_and_a_hook_registered_inside_keeps_runn
         seen.clear()
         model.head(randn(2, 16))
         assert seen == [model.head]
-    handles[0].remove()                   # (made on a stand-in: it cannot remove the hook)
-    assert handles[0].id in dicts[0]
-    del dicts[0][handles[0].id]
+    handles[0].remove()                   # made on a stand-in, it removes the hook all the same
+    assert handles[0].id not in dicts[0]
+    seen.clear()
+    model.head(randn(2, 16))
+    assert seen == []
+    assert not any(module_hooks._KEPT)            # (pruned at the next quiet block)

@@ -72,6 +72,24 @@ def paused(engines):
                 hooks[:] = register(e, e._resident_only)   # in place: the finalizer holds it
 
 
+class _StandIn(OrderedDict):
+    """An empty stand-in for one of torch's global forward-hook dicts while a block runs quiet
+    (``Quiet``). A hook registered meanwhile goes into it, and at the end into ``real`` too; its
+    handle, made on the stand-in (torch keeps a weak reference to the dict it was made on),
+    removes it from both, so the stand-in is kept alive while it holds one (``_KEPT``)."""
+
+    def __init__(self, real: OrderedDict) -> None:
+        super().__init__()
+        self.real = real
+
+    def __delitem__(self, key) -> None:
+        super().__delitem__(key)
+        self.real.pop(key, None)
+
+
+_KEPT: list = []        # stand-ins holding hooks registered inside quiet blocks, for their handles
+
+
 class Quiet:
     """The engine's global module hooks out of the way while a block runs checkpointed, for the
     module calls inside it to take torch's fast call path (``Quiet(eng, forward)``: ``forward``
@@ -107,19 +125,22 @@ class Quiet:
         # rebinding a module attribute is atomic where emptying a dict under an iteration
         # would raise in that thread. torch reads them by that attribute at every call.
         self.held = (pre, post)
-        _mod._global_forward_pre_hooks = OrderedDict()
-        _mod._global_forward_hooks = OrderedDict()
+        _mod._global_forward_pre_hooks = _StandIn(pre)
+        _mod._global_forward_hooks = _StandIn(post)
 
     def __exit__(self, *exc) -> None:
         held, self.held = self.held, None
         if held is None:
             return
-        pre, post = _mod._global_forward_pre_hooks, _mod._global_forward_hooks
+        stand_ins = (_mod._global_forward_pre_hooks, _mod._global_forward_hooks)
         _mod._global_forward_pre_hooks, _mod._global_forward_hooks = held
-        # A hook registered meanwhile went into a stand-in: it runs from here on too (its
-        # handle, made on the stand-in, cannot remove it).
-        held[0].update(pre)
-        held[1].update(post)
+        # A hook registered meanwhile went into a stand-in: it runs from here on too, and its
+        # handle removes it through the stand-in, kept while it holds any.
+        _KEPT[:] = [d for d in _KEPT if d]
+        for real, stand_in in zip(held, stand_ins):
+            if stand_in:
+                real.update(stand_in)
+                _KEPT.append(stand_in)
 
 
 try:
