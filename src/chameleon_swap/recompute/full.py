@@ -21,10 +21,10 @@ Leaves the block reaches that are not its parameters are found two ways. The par
 outside the block that its recompute calls (a shared module it calls but does not hold) come from
 the runner's module probe in the recomputes it probes (``reached``; see below). Any other (a
 parameter used without calling its module, a tensor in a closure) is found by walking the
-recompute's graph (``walk``; 78 nodes for a layer of the demo's Llama at 160 tokens, 28-57 us alone
-on the 2-core CPU where asking each node for a ``variable`` took 81-133 us: see ``_foreign``): their
-gradients are accumulated into their ``.grad`` by a nested ``torch.autograd.backward`` (what
-reentrant checkpoint does for all of them), and ``on_walk`` is told what was found, so that the
+recompute's graph (``walk``; 78 nodes for a layer of the demo's Llama at 160 tokens, 24 us alone
+and 109-134 us inside a step on the 2-core CPU: see ``_foreign``): their gradients are accumulated
+into their ``.grad`` by a nested ``torch.autograd.backward`` (what reentrant checkpoint does for all
+of them), and ``on_found`` is told what was found, so that the
 runner passes them as the Function's inputs too from the next call on, where their gradients go back
 through the outer backward like the parameters'. Under the engine the runner walks every backward:
 its recomputes after a block's first at a shape run with the engine's module hooks out of the way

@@ -100,9 +100,9 @@ class Quiet:
     leaf the probe finds, and those no module holds). Measured on this project's 2-core CPU (the
     demo's Llama at 160 tokens, every block recomputed, thread CPU time of 40 interleaved steps),
     the hooks out of the way took 1.0% off the step in the blocks' forwards and 3.3% in their
-    recomputes too; with the walk of every recompute paid (81-133 us a block then, 28-57 us
-    since), whole steps read 0.98-1.03x of the hooks left in over four runs of 40-80 steps:
-    level within this machine's noise, and every backward walked.
+    recomputes too; with the walk of every recompute paid (81-133 us a block then; its cost now
+    in ``full._foreign``), whole steps read 0.98-1.03x of the hooks left in over four runs of
+    40-80 steps: level within this machine's noise, and every backward walked.
 
     They are taken out only where nothing can tell: they are the only global forward hooks (so
     putting them back restores the order), torch.compile has compiled no frame in this process
