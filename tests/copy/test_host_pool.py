@@ -80,6 +80,21 @@ def test_buffers_are_aligned_disjoint_ranges_of_one_slab():
     assert pool.in_use_bytes == sum(align_up(n) for n in sizes)
 
 
+def test_a_view_past_its_buffer_is_refused_by_name():
+    """``view(nbytes)`` slices the slab itself (no tensor kept per buffer): a view longer than the
+    buffer would run into its neighbour's range, so it is refused, naming the argument."""
+    pool = HostPool(64 * MiB, pin=False)
+    a, b = pool.acquire(5000), pool.acquire(5000)
+    assert a.view(a.capacity).numel() == a.capacity and a.view(0).numel() == 0
+    with pytest.raises(ValueError, match=r"nbytes must be within this buffer's capacity 8192"):
+        a.view(a.capacity + 1)
+    with pytest.raises(ValueError, match="nbytes"):
+        a.view(-1)
+    b.view(b.capacity).fill_(2)
+    a.view(a.capacity).fill_(1)
+    assert bool((b.tensor == 2).all()) and bool((a.tensor == 1).all())
+
+
 def test_released_ranges_coalesce_and_are_reused_without_allocating():
     pool = HostPool(64 * MiB, pin=False)
     a, b, c = pool.acquire(8 * KiB), pool.acquire(8 * KiB), pool.acquire(8 * KiB)

@@ -221,3 +221,27 @@ def test_a_storage_saved_again_after_its_bytes_left_still_catches_an_in_place_wr
                 c.sum().backward()             # unpacks the second handle only
                 del s
 
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["tensor", "view"])
+def test_a_witness_holds_no_bytes_and_follows_the_saved_tensors_version(view):
+    """A moved tensor's witness (``records._make_witness``, made with a bare ``set_()``, outside
+    no_grad) must let go of the storage, keep the dtype and device, leave the version where it
+    was, and see every later in-place write to the saved tensor or, for a view, to its base."""
+    from chameleon_swap.runtime.records import WITNESSES, _make_witness
+
+    if not WITNESSES:
+        pytest.skip("this torch lacks the private API witnesses rest on")
+    w = torch.randn(8, 6, requires_grad=True)
+    base = (w * 2).relu()                  # an activation: a non-leaf that requires grad
+    saved = base[2:5] if view else base
+    before = saved._version
+    witness = _make_witness(saved.detach())
+    assert witness is not None
+    assert witness.untyped_storage().nbytes() == 0 and witness.numel() == 0
+    assert witness.dtype == saved.dtype and witness.device == saved.device
+    assert witness._version == saved._version == before     # (set_ bumped it: put back)
+    assert saved.shape == ((3, 6) if view else (8, 6))      # the saved tensor is untouched
+    with torch.no_grad():
+        base.add_(1)
+    assert witness._version == saved._version == before + 1

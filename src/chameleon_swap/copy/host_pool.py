@@ -185,17 +185,26 @@ class _Slab:
 class HostBuffer:
     """A range of a slab; ``view(nbytes)`` is the uint8 prefix a storage is copied into."""
 
-    __slots__ = ("tensor", "capacity", "slab", "offset", "live")
+    __slots__ = ("capacity", "slab", "offset", "live")
 
     def __init__(self, slab: _Slab, offset: int, capacity: int) -> None:
-        self.tensor = slab.tensor[offset:offset + capacity]
         self.capacity = capacity
         self.slab = slab
         self.offset = offset
         self.live = True
 
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The whole range as a uint8 tensor over the slab."""
+        return self.slab.tensor[self.offset:self.offset + self.capacity]
+
     def view(self, nbytes: int) -> torch.Tensor:
-        return self.tensor[:nbytes]
+        # One slice of the slab, made when a copy needs it: a move asks for it once each way,
+        # and a range kept as a tensor of its own cost a second slice per move.
+        if not 0 <= nbytes <= self.capacity:
+            raise ValueError(f"nbytes must be within this buffer's capacity "
+                             f"{self.capacity}; got {nbytes}")
+        return self.slab.tensor[self.offset:self.offset + nbytes]
 
 
 class HostPool:

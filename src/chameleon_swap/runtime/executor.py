@@ -27,7 +27,7 @@ import threading
 import weakref
 from collections import deque
 from time import perf_counter
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -54,7 +54,9 @@ class Executor:
         self.pool = pool
         self.min_tensor_bytes = min_tensor_bytes
         self.policy = None                       # set by the engine
-        self.profiler = None                     # set by the engine (sees every save and use)
+        self._profiler = None                    # set by the engine (sees every save and use)
+        self._now: Callable[[], float] = perf_counter    # (the profiler's clock, once set)
+        self._on_move: Optional[Callable] = None
         self._in_wait = False                    # inside a budget wait (see _moved)
         self.budget: Optional[int] = None        # this step's budget in bytes
         self.lock = threading.RLock()
@@ -393,14 +395,22 @@ class Executor:
             if rec.state == OFFLOADING and not rec.out_ticket.done():
                 self.wait_offload(rec)
 
-    def _now(self) -> float:
-        now = getattr(self.profiler, "now", None)    # the tests' stand-ins may lack it
-        return now() if now is not None else perf_counter()
+    @property
+    def profiler(self):
+        return self._profiler
+
+    @profiler.setter
+    def profiler(self, profiler) -> None:
+        # Its clock and its move callback are bound once here, not looked up at each of the
+        # three or four times a move is timed (the tests' stand-ins may lack either).
+        self._profiler = profiler
+        self._now = getattr(profiler, "now", None) or perf_counter
+        self._on_move = getattr(profiler, "on_move", None)
 
     def _moved(self, t0: float, new: bool = False) -> None:
         """Host time since ``t0`` (``_now()``) went to moving a tensor: the profiler keeps it
         apart from compute."""
-        on_move = getattr(self.profiler, "on_move", None)
+        on_move = self._on_move
         if on_move is not None and not self._in_wait:
             on_move(self._now() - t0, new)
 
