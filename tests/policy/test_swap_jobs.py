@@ -78,8 +78,8 @@ def test_a_landed_plan_gives_way_to_a_newer_one_and_a_failed_job_is_dropped(monk
     cache.put(newer)
     pol = SimpleNamespace(modes=SimpleNamespace(worker=worker, landed_seconds=0.0), cache=cache)
     jobs = SwapJobs()
-    jobs.pending = {"sig-a": (1, "prof-a", 5, False), "sig-b": (2, "prof-b", 7, True),
-                    "sig-c": (3, "prof-c", 8, False), "sig-d": (4, "prof-d", 8, False)}
+    jobs.pending = {"sig-a": (1, "prof-a", 5, False, None), "sig-b": (2, "prof-b", 7, True, None),
+                    "sig-c": (3, "prof-c", 8, False, None), "sig-d": (4, "prof-d", 8, False, None)}
     jobs.land(pol)
     assert made == [("prof-a", "plan-a", 5, False)]         # sig-b: a newer plan is there
     assert cache.peek("sig-a").made_at == 5 and cache.peek("sig-b") is newer
@@ -109,6 +109,86 @@ def test_plans_go_to_the_process_only_after_a_slow_one_and_never_pile_up(monkeyp
     assert [p.signature for p in made] == ["s0", "s1", "s11"]
 
 
+def test_a_plan_that_took_a_share_of_its_step_sends_the_next_ones_too(monkeypatch):
+    # Stub clock: under the absolute threshold (20 ms), a plan is slow where it took more than
+    # BACKGROUND_SHARE of the step that asked, and more than BACKGROUND_MIN_SECONDS: 8 ms after a
+    # 100 ms step is; 8 ms after a 400 ms step is not (20 ms would be), nor 3 ms after a 10 ms
+    # step (under the floor), nor a profile without a step time (the absolute rule alone).
+    took = iter([0.008, 0.008, 0.003, 0.019])
+    now = [0.0]
+
+    def perf_counter():
+        now[0] += next(took) if len(calls) % 2 else 0.0
+        calls.append(now[0])
+        return now[0]
+    calls: list = []
+    monkeypatch.setattr(swap_jobs, "time", SimpleNamespace(perf_counter=perf_counter))
+    pol = SimpleNamespace(modes=SimpleNamespace(worker=None), _make=lambda p: "entry")
+    jobs = SwapJobs()
+    for step, slow in ((0.1, True), (0.4, False), (0.01, False), (None, False)):
+        assert jobs.make(pol, SimpleNamespace(signature="s", step_seconds=step)) == "entry"
+        assert jobs.slow is slow, (step, slow)
+
+
+def test_a_plan_made_again_replaces_the_one_in_the_process_and_lands_replanned(monkeypatch):
+    # A sequence whose plan missed is planned again from the step that missed (``again``: the
+    # missed plan's ``detailed``). Where plans go to the process, the job for the same sequence
+    # still there (made from an older step) is dropped for the new one; landed, the plan reads
+    # replanned and keeps the missed plan's detail. Made here, it is marked the same at once.
+    made = []
+    monkeypatch.setattr(swap_jobs, "entry_of", lambda prof, plan, step, pinned: made.append(
+        (prof, plan, step)) or PlanEntry(prof.signature, [], [], 0, [], {}, [], 0.0, 0, False,
+                                         made_at=step))
+    submitted, dropped, answers = [], [], {}
+    worker = SimpleNamespace(broken=None, drop=dropped.append,
+                             submit=lambda *a: submitted.append(a) or len(submitted),
+                             ready=lambda t: t in answers, result=lambda t: answers.pop(t))
+    cache = PlanCache(8)
+    pol = SimpleNamespace(modes=SimpleNamespace(worker=worker, landed_seconds=0.0), cache=cache,
+                          ex=SimpleNamespace(budget=100), step_no=4, pinned_step=False,
+                          timeline=lambda p: ("tl", p.n), _make=lambda p: PlanEntry(
+                              p.signature, [], [], 0, [], {}, [], 0.0, 0, False, made_at=3))
+    jobs = SwapJobs()
+    jobs.slow = True
+    first, again = (SimpleNamespace(signature="s", n=n, step_seconds=0.1) for n in (1, 2))
+    assert jobs.make(pol, first) is None and jobs.make(pol, first) is None   # (one job)
+    pol.step_no = 6
+    assert jobs.make(pol, again, again=True) is None
+    assert dropped == [1] and [a[1] for a in submitted] == [("tl", 1), ("tl", 2)]
+    answers[2] = (0.01, True, "plan-again")
+    jobs.land(pol)
+    entry = cache.peek("s")
+    assert made == [(again, "plan-again", 6)] and entry.replanned and entry.detailed
+    jobs.slow, pol.modes.worker = False, None         # made here: marked at once
+    here = jobs.make(pol, SimpleNamespace(signature="t", step_seconds=None), again=False)
+    assert here.replanned and not here.detailed
+
+
+def test_while_the_process_is_behind_plans_are_made_here():
+    # A job unanswered for more than BEHIND_STEPS steps: the process is behind (a starved
+    # machine), so the next plans, a plan made again for that very sequence among them, are
+    # made on the step's thread; the job of the sequence made again is dropped. (The real
+    # clock's twin: test_checks' swap plan made again while the process lands nothing.)
+    submitted, dropped = [], []
+    worker = SimpleNamespace(broken=None, drop=dropped.append,
+                             submit=lambda *a: submitted.append(a) or len(submitted))
+    pol = SimpleNamespace(modes=SimpleNamespace(worker=worker), ex=SimpleNamespace(budget=100),
+                          step_no=1, pinned_step=False, timeline=lambda p: p.signature,
+                          _make=lambda p: PlanEntry(p.signature, [], [], 0, [], {}, [], 0.0, 0,
+                                                    False, made_at=9))
+    jobs = SwapJobs()
+    jobs.slow = True
+    prof = {s: SimpleNamespace(signature=s, step_seconds=None) for s in "abc"}
+    assert jobs.make(pol, prof["a"]) is None                         # handed over at step 1
+    pol.step_no = 1 + swap_jobs.BEHIND_STEPS
+    assert jobs.make(pol, prof["b"]) is None and len(submitted) == 2     # not behind yet
+    pol.step_no += 1
+    assert jobs.make(pol, prof["c"]).signature == "c"                # behind: made here
+    again = jobs.make(pol, prof["a"], again=True)
+    assert again.signature == "a" and again.replanned and dropped == [1]
+    assert list(jobs.pending) == ["b"] and len(submitted) == 2
+
+
 def test_on_the_real_clock_plans_go_to_the_process_after_one_made_here_ran_long(monkeypatch):
     # The twin of the stub-clock test above: the real clock, the emulated link, the engine's own
     # planner process, a threshold of 1 ms (a plan of this Llama takes longer on this CPU). Each
@@ -118,10 +198,10 @@ def test_on_the_real_clock_plans_go_to_the_process_after_one_made_here_ran_long(
     calls = []
     real_make = SwapJobs.make
 
-    def make(self, policy, profile):
-        before = (self.slow, len(self.pending), profile.signature in self.pending)
+    def make(self, policy, profile, again=None):
+        before = (self.slow, len(self.pending), profile.signature in self.pending and again is None)
         t0 = time.perf_counter()
-        entry = real_make(self, policy, profile)
+        entry = real_make(self, policy, profile, again)
         calls.append((before, time.perf_counter() - t0, entry is None, self.slow))
         return entry
     monkeypatch.setattr(SwapJobs, "make", make)
@@ -140,3 +220,34 @@ def test_on_the_real_clock_plans_go_to_the_process_after_one_made_here_ran_long(
     # (tolerance one way only: ``took`` is timed around the call, the rule's time inside it, so
     # a call under the threshold inside can read up to a few ms more here on a busy machine)
     assert any(handed for *_, handed, _ in calls), "no plan here took over 1 ms: nothing went"
+
+
+def test_on_the_real_clock_a_plan_over_its_share_of_the_step_sends_the_next_ones(monkeypatch):
+    # The twin of the stub-clock share test: the real clock, the emulated link, the engine's own
+    # planner process; no absolute threshold (1 s) and no floor, a share of 2%: each call of
+    # ``SwapJobs.make`` made here must leave ``slow`` set exactly where its plan took more than
+    # 2% of the step that asked (a plan of this Llama takes over a millisecond, its steps tens).
+    monkeypatch.setattr(swap_jobs, "BACKGROUND_SECONDS", 1.0)
+    monkeypatch.setattr(swap_jobs, "BACKGROUND_MIN_SECONDS", 0.0)
+    monkeypatch.setattr(swap_jobs, "BACKGROUND_SHARE", 0.02)
+    calls = []
+    real_make = SwapJobs.make
+
+    def make(self, policy, profile, again=None):
+        before = self.slow and len(self.pending) < swap_jobs.MAX_PENDING
+        t0 = time.perf_counter()
+        entry = real_make(self, policy, profile, again)
+        calls.append((before, time.perf_counter() - t0, entry is None, self.slow,
+                      profile.step_seconds))
+        return entry
+    monkeypatch.setattr(SwapJobs, "make", make)
+    model = tiny_llama(dim=64, n_layers=3, max_seq_len=256)
+    compare(model, lm_batches(model, [96, 160, 128, 64] * 3), 0.3, model_kwarg=True,
+            emulate_link="200MB/s")
+    here = [c for c in calls if not c[2]]
+    assert here, "no plan was made on the step's thread"
+    for _, took, _, slow_after, step in here:
+        limit = 0.02 * step
+        # (``took`` is timed around the call, the rule's time inside it: one way only)
+        assert took > limit if slow_after else took < limit + 0.005, (took, step, slow_after)
+    assert any(handed for _, _, handed, _, _ in calls), "no plan went to the process"

@@ -324,11 +324,9 @@ def _step_factor(policy, mode_plan, profile, stall: float) -> float:
 
 
 def _remake_swap_plan(policy, profile, applied) -> None:
-    """The swap plan of ``profile``'s sequence made again from this step, as replanned."""
-    entry = policy._make(profile)
-    entry.replanned = True
-    # A lightweight step's compute is a timed step's shares of the same sequence scaled to the
-    # measured step (profiler): as good as the timed profile it corrects, so no timed step is
-    # asked for again.
-    entry.detailed = entry.detailed or applied.detailed
-    policy.cache.put(entry)
+    """The swap plan of ``profile``'s sequence made again from this step, as replanned: here, or
+    in the planner process where plans are sent there (``swap_jobs``); the plan that missed
+    stands until it lands."""
+    entry = policy.swap_jobs.make(policy, profile, again=bool(applied.detailed))
+    if entry is not None:
+        policy.cache.put(entry)

@@ -7,8 +7,12 @@ spans at 384 tokens, a mix that swaps): 40-80 ms of wall time beyond a 260-410 m
 new mix, about 130 timeline simulations a plan; on an H100 the demo's once took 113 ms.
 
 With a planner process (``background.Worker``: with ``model=`` and ``plan_in_background``, where
-mode plans are made), once a plan made here took longer than ``BACKGROUND_SECONDS``, the next
-ones are handed to the process. The step that asked ends at once; its sequence runs as any
+mode plans are made), once a plan made here took longer than ``BACKGROUND_SECONDS``, or longer
+than ``BACKGROUND_SHARE`` of the step that asked for it (and over ``BACKGROUND_MIN_SECONDS``),
+the next ones are handed to the process, plans made again after a step missed its prediction
+(``checks._remake_swap_plan``) among them. The share: on the CPU demo's Llama a plan took 11-21
+ms at the end of steps of 60-160 ms, under the absolute threshold, so every new sequence's step
+and every replanned one paid 10-20% of itself on the step's thread (about 3% of the run). The step that asked ends at once; its sequence runs as any
 sequence without a plan does (a plan that agrees by keys, or the guard) until the plan lands, at
 the end of a later step, where it is compiled against the profile it was made from and cached
 (unless a newer plan for the sequence is there by then). Plans under that cost stay on the
@@ -25,8 +29,12 @@ from ..planning.cache import PlanEntry, compile_mix, compile_plan
 from ..planning.signatures import step_size
 
 BACKGROUND_SECONDS = 0.02   # a plan made here that took longer sends the next ones to the process
+BACKGROUND_SHARE = 0.05     # ... as does one that took more than this share of its step
+BACKGROUND_MIN_SECONDS = 0.005   # and longer than this (a job's round trip is a few ms)
 MAX_PENDING = 8             # plans in the process at once; more are made here (a new sequence
                             # every step, faster than the process plans, must not pile up)
+BEHIND_STEPS = 2            # a job unanswered for more steps than this: the process is behind
+                            # (a starved or loaded machine), and plans are made here meanwhile
 
 
 def entry_of(profile, tl_plan, step: int, pinned: bool) -> PlanEntry:
@@ -98,31 +106,51 @@ class SwapJobs:
     """The swap plans a policy has handed to the planner process, by signature."""
 
     def __init__(self) -> None:
-        self.pending: dict[str, tuple] = {}     # signature -> (ticket, profile, step, pinned)
+        # signature -> (ticket, profile, step, pinned, again): ``again`` is None for a first
+        # plan, else the ``detailed`` of the plan it is made again for (``make``)
+        self.pending: dict[str, tuple] = {}
         self.slow = False                       # the last plan made here took too long
         self.seconds = 0.0                      # the process's time on the plans landed
 
-    def make(self, policy, profile) -> Optional[PlanEntry]:
-        """``profile``'s plan made now, or None where the planner process makes it."""
+    def make(self, policy, profile, again: Optional[bool] = None) -> Optional[PlanEntry]:
+        """``profile``'s plan made now, or None where the planner process makes it. ``again``:
+        the plan is made again for a plan of this sequence that missed (``detailed`` its own
+        flag): it replaces one still in the process, and is marked replanned (``_again``)."""
         worker = policy.modes.worker
-        if profile.signature in self.pending:
-            return None                         # (being made there already)
+        # (read before a job made again replaces the job of its sequence)
+        behind = bool(self.pending) and self.behind(policy.step_no)
+        job = self.pending.get(profile.signature)
+        if job is not None:
+            if again is None:
+                return None                     # (being made there already)
+            worker.drop(job[0])                 # made from an older step: this one's instead
+            del self.pending[profile.signature]
         if (self.slow and worker is not None and worker.broken is None
-                and len(self.pending) < MAX_PENDING):
+                and len(self.pending) < MAX_PENDING and not behind):
             ticket = worker.submit("plan_swaps", policy.timeline(profile), policy.ex.budget)
             if ticket is not None:
                 self.pending[profile.signature] = (ticket, profile, policy.step_no,
-                                                   policy.pinned_step)
+                                                   policy.pinned_step, again)
                 return None
         t0 = time.perf_counter()
         entry = policy._make(profile)
-        self.slow = time.perf_counter() - t0 > BACKGROUND_SECONDS
-        return entry
+        took = time.perf_counter() - t0
+        step = getattr(profile, "step_seconds", None)     # (None: not known, the cap alone)
+        self.slow = took > (min(BACKGROUND_SECONDS, max(BACKGROUND_MIN_SECONDS,
+                                                       BACKGROUND_SHARE * step))
+                            if step else BACKGROUND_SECONDS)
+        return entry if again is None else _again(entry, again)
+
+    def behind(self, step: int) -> bool:
+        """A job handed over more than ``BEHIND_STEPS`` steps before ``step`` is unanswered: a
+        plan handed over now might not land for as long (a replan that never landed left a
+        plan missing its steps by 3x for 16 steps, where one made here corrected it)."""
+        return any(step - job[2] > BEHIND_STEPS for job in self.pending.values())
 
     def land(self, policy) -> None:
         """Cache the plans the process has made (called at a step's end, before it plans)."""
         worker = policy.modes.worker        # (none: nothing was ever handed over)
-        for sig, (ticket, profile, step, pinned) in list(self.pending.items()):
+        for sig, (ticket, profile, step, pinned, again) in list(self.pending.items()):
             if not worker.ready(ticket):
                 continue
             del self.pending[sig]
@@ -133,4 +161,14 @@ class SwapJobs:
             self.seconds += seconds
             newer = policy.cache.peek(sig)
             if newer is None or newer.made_at <= step:
-                policy.cache.put(entry_of(profile, tl_plan, step, pinned))
+                entry = entry_of(profile, tl_plan, step, pinned)
+                policy.cache.put(entry if again is None else _again(entry, again))
+
+
+def _again(entry: PlanEntry, detailed: bool) -> PlanEntry:
+    """A plan made again after its sequence's plan missed: reported as replanned. A lightweight
+    step's compute is a timed step's shares of the same sequence scaled to the measured step
+    (profiler): as good as the timed profile it corrects, so no timed step is asked for again."""
+    entry.replanned = True
+    entry.detailed = entry.detailed or detailed
+    return entry
