@@ -30,7 +30,11 @@ Budgets P are 25%, 50% and 75% of the natural saved-activation peak at the longe
 Reported per mode: step time median and total (first steps and new lengths included), peak device
 memory (CUDA ``max_memory_allocated`` above the step's start; on the CPU the bench meter's count of
 what the step allocates, from one metered step at the longest length), bytes moved, bytes
-recomputed, block modes; and whether every loss was bit-for-bit the plain step's.
+recomputed, block modes; and whether every loss was bit-for-bit the plain step's. Step for step
+too (``paired_ratio_vs_none``, and each engine's ``paired_vs`` every other mode): the median of a
+mode's step over another's at the same length in the same round, run back to back, which a
+machine that speeds up or slows down over the run leaves alone (the plain medians do not: on
+this project's shared CPU whole runs moved by 0.05-0.14x).
 
 Time on one H100 (``--device cuda``, default config): 5 modes x 3 budgets x (2 + 4) steps x 3
 lengths, 270 steps; their times summed to 166 s when the project ran it there, about 3 minutes
@@ -281,6 +285,13 @@ def metered_peak(step, device) -> int:
     return m.peak_bytes
 
 
+def paired(times: list, against: list) -> Optional[float]:
+    """The median of ``times[i] / against[i]``: two modes' steps of one length in one round
+    (the run's order), None where there are none."""
+    ratios = [t / a for t, a in zip(times, against) if a > 0]
+    return C.median(ratios) if ratios else None
+
+
 def summarize(rec: dict, modes: list, engines: dict, budget: int) -> dict:
     none = C.median(rec["none"]["times"])
     out = {}
@@ -290,7 +301,9 @@ def summarize(rec: dict, modes: list, engines: dict, budget: int) -> dict:
         by_length: dict = {}
         for T, dt in zip(r["timed_lengths"], r["times"]):
             by_length.setdefault(T, []).append(dt)
-        row = {"median_step_s": med, "ratio_vs_none": med / none, "total_s": sum(r["all"]),
+        row = {"median_step_s": med, "ratio_vs_none": med / none,
+               "paired_ratio_vs_none": paired(r["times"], rec["none"]["times"]),
+               "total_s": sum(r["all"]),
                "peak_device_bytes": max(r["peaks"]) if r["peaks"] else None,
                "median_step_s_per_length": {str(T): C.median(v)
                                             for T, v in sorted(by_length.items())}}
@@ -307,6 +320,10 @@ def summarize(rec: dict, modes: list, engines: dict, budget: int) -> dict:
                        steps=[dict(prediction_row(T, v, w, p), **q) for T, v, w, p, q in
                               zip(r["visits"], s, r["walls"], r["plans"], r["ratios"])],
                        planner=planner_state(engines[m]))
+            # Against every other mode, step for step: the same length in the same round,
+            # run back to back, so the machine's drift over the run divides out.
+            row["paired_vs"] = {o: paired(r["times"], rec[o]["times"])
+                                for o in modes if o != m}
         out[m] = row
     return out
 
@@ -395,7 +412,9 @@ def markdown(payload: dict) -> str:
     for tag, res in payload["results"].items():
         for m, r in res.items():
             fmt = cs.format_bytes
-            rows.append([tag, m, r["median_step_s"] * 1e3, r["ratio_vs_none"], r["total_s"],
+            pr = r.get("paired_ratio_vs_none")
+            rows.append([tag, m, r["median_step_s"] * 1e3, r["ratio_vs_none"],
+                         "-" if pr is None else f"{pr:.3f}", r["total_s"],
                          fmt(r["peak_device_bytes"]) if r["peak_device_bytes"] is not None else "-",
                          fmt(r["max_peak_resident_bytes"]) if "budget_bytes" in r else "-",
                          fmt(r["median_moved_bytes"]) if "budget_bytes" in r else "-",
@@ -432,9 +451,29 @@ def markdown(payload: dict) -> str:
             f"{cfg['reps']} interleaved steps per length; peak device = {peak_how}; block modes "
             f"= (keep, selective, full) of the last step; losses bitwise equal across modes: "
             f"{payload['losses_bitwise_equal_across_modes']}.\n\n"
-            + C.markdown_table(["budget", "mode", "step ms", "x none", "total s", "peak device",
-                                "peak resident", "moved", "recomputed", "block modes"], rows)
-            + per_len_md + pred_md)
+            + C.markdown_table(["budget", "mode", "step ms", "x none", "paired x none",
+                                "total s", "peak device", "peak resident", "moved",
+                                "recomputed", "block modes"], rows)
+            + per_len_md + paired_md(payload["results"]) + pred_md)
+
+
+def paired_md(results: dict) -> str:
+    """The engines' steps over each other mode's, step for step (``paired_vs``), a column per
+    mode (swap and hybrid by name, without their budget)."""
+    rows, peers = [], []
+    for tag, res in results.items():
+        for m, r in res.items():
+            vs = {o.split("@")[0]: v for o, v in (r.get("paired_vs") or {}).items()}
+            if vs:
+                peers += [o for o in vs if o not in peers]
+                rows.append((tag, m, vs))
+    if not rows:
+        return ""
+    table = [[tag, m] + ["-" if vs.get(o) is None else f"{vs[o]:.3f}" for o in peers]
+             for tag, m, vs in rows]
+    return ("\n\nStep for step (the median of each engine step over the same length's step of "
+            "another mode in the same round, run back to back: the machine's drift over the run "
+            "divides out):\n\n" + C.markdown_table(["budget", "engine"] + peers, table))
 
 
 def plot(results: dict, path: Path, title: str) -> None:

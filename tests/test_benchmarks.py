@@ -103,6 +103,25 @@ def test_hybrid_records_the_planning_each_engine_step_did(script):
     assert state["trained_s"] > 0
 
 
+def test_hybrid_compares_modes_step_for_step(script):
+    # The pairs are the same length in the same round: a machine that slows over the run (here
+    # the second round twice the first) leaves the paired ratio where it is, and every engine's
+    # row has a column per other mode, its own left blank.
+    h = script("hybrid")
+    none, full = [0.1, 0.2, 0.2, 0.4], [0.13, 0.26, 0.26, 0.52]
+    assert h.paired(full, none) == pytest.approx(1.3)
+    assert h.paired([], []) is None and h.paired([0.1], [0.0]) is None
+    md = h.paired_md({"25%": {"none": {}, "full-recompute": {},
+                              "swap@25%": {"paired_vs": {"none": 1.5, "full-recompute": 1.1,
+                                                         "hybrid@25%": None}},
+                              "hybrid@25%": {"paired_vs": {"none": 1.2, "full-recompute": 0.9,
+                                                           "swap@25%": 0.8}}}})
+    assert "| budget | engine | none | full-recompute | hybrid | swap |" in md
+    assert "| 25% | swap@25% | 1.500 | 1.100 | - | - |" in md
+    assert "| 25% | hybrid@25% | 1.200 | 0.900 | - | 0.800 |" in md
+    assert h.paired_md({"25%": {"none": {"median_step_s": 0.1}}}) == ""
+
+
 def test_capped_on_cuda_plans_the_steps_its_estimate_counts(script, fake_cuda):
     c = script("capped")
     a = c.parse_args(["--device", "cuda"])
