@@ -36,6 +36,18 @@ def test_of_two_step_times_the_faster_ranks_the_mix():
     assert runs.measured(7, [0, 1]) == {("keep", "keep"): 0.150}
 
 
+def test_a_first_step_faster_than_the_second_stays_and_ranks_the_mix():
+    # The first step stands in only where it was the slower: a second step that a wait slowed
+    # (216 ms, then 349 ms) leaves the faster first to rank the mix.
+    runs = MixRuns()
+    runs.add(7, calls("keep", "full"), 0.216)
+    mix, seen, n = runs.add(7, calls("keep", "full"), 0.349)
+    assert seen == [0.216, 0.349] and n == 2
+    assert runs.measured(7, [0, 1]) == {("keep", "full"): 0.216}
+    runs.add(7, calls("keep", "full"), 0.220)                  # three: their median
+    assert runs.measured(7, [0, 1]) == {("keep", "full"): 0.220}
+
+
 def test_other_sizes_and_other_blocks_are_not_this_sizes_mixes():
     runs = MixRuns()
     runs.add(7, calls("keep", "full"), 1.0)

@@ -12,7 +12,10 @@ A mix's first step at a size runs on the guard's swap plan or one made from esti
 than the mix will run: it stands for the mix until its second step replaces it. Left out, a mix
 tried once looked untried and was tried again at every plan; kept, it made a mix that ran well
 afterwards look worse than it was (HF Llama 256x4 at 50%: a first step of 468 ms beside steady
-ones of 347 ms, and the size left the mix).
+ones of 347 ms, and the size left the mix). A first step faster than the second stays beside
+it, and the faster of the two ranks the mix: it stood in for nothing, the second was slowed (the
+same Llama at 25%, 384 tokens: two blocks kept ran 216 ms, then 349 ms on a step whose copies
+waited 56 ms; read at 349 against all full's 216, the size left the mix for good).
 
 A plan's fallback (``HybridPlan.fallback``: the best other mix moving next to nothing) is run
 against the mix the plan chose once per size (``Trials``); after its third step (the faster of
@@ -67,7 +70,7 @@ class MixRuns:
         mix = tuple(sorted((c.block, c.mode) for c in calls))
         seen = self.runs.setdefault(key, {}).setdefault(mix, [])
         n = self.steps[key, mix] = self.steps.get((key, mix), 0) + 1
-        if n == 2:
+        if n == 2 and seen and seen[0] > seconds:
             seen.clear()                 # the first step stood in until now (see above)
         seen.append(seconds)
         del seen[:-RUNS_KEPT]
@@ -113,10 +116,11 @@ class Trials:
         return trial is not None and trial[2] is plan
 
     def back(self, key: int, n: int, seen: list):
-        """After the fallback's ``n``-th step at ``key`` (``seen``: its step times after its
-        first, which stood in): at its ``TRIAL_STEPS``-th, the plan to go back to where the
-        faster of those was not clearly faster than the plan ran, else None (it stays); None
-        before. The faster of two, as mixes are ranked (noise only slows a step): decided on
+        """After the fallback's ``n``-th step at ``key`` (``seen``: its kept step times, the
+        first among them only where it was faster than the second): at its ``TRIAL_STEPS``-th,
+        the plan to go back to where the fastest of those was not clearly faster than the plan
+        ran, else None (it stays); None before. The fastest, as mixes are ranked (noise only
+        slows a step): decided on
         one step, the CPU demo's 160-token size went back to a mix at 130-134 ms after all
         full's second step read 190 ms, where checkpointing's steps ran 100-145 ms."""
         if n != TRIAL_STEPS:
