@@ -120,9 +120,9 @@ class Trials:
         first among them only where it was faster than the second): at its ``TRIAL_STEPS``-th,
         the plan to go back to where the fastest of those was not clearly faster than the plan
         ran, else None (it stays); None before. The fastest, as mixes are ranked (noise only
-        slows a step): decided on
-        one step, the CPU demo's 160-token size went back to a mix at 130-134 ms after all
-        full's second step read 190 ms, where checkpointing's steps ran 100-145 ms."""
+        slows a step): decided on one step, the CPU demo's 160-token size went back to a mix at
+        130-134 ms after all full's second step read 190 ms, where checkpointing's steps ran
+        100-145 ms."""
         if n != TRIAL_STEPS:
             return None
         plan, ran, _ = self.by_key[key]
