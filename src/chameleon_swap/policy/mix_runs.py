@@ -70,7 +70,7 @@ class MixRuns:
         mix = tuple(sorted((c.block, c.mode) for c in calls))
         seen = self.runs.setdefault(key, {}).setdefault(mix, [])
         n = self.steps[key, mix] = self.steps.get((key, mix), 0) + 1
-        if n == 2 and seen and seen[0] > seconds:
+        if n == 2 and seen[0] > seconds:
             seen.clear()                 # the first step stood in until now (see above)
         seen.append(seconds)
         del seen[:-RUNS_KEPT]

@@ -24,9 +24,9 @@ parameter used without calling its module, a tensor in a closure) is found by wa
 recompute's graph (``walk``; 78 nodes for a layer of the demo's Llama at 160 tokens, 24 us alone
 and 109-134 us inside a step on the 2-core CPU: see ``_foreign``): their gradients are accumulated
 into their ``.grad`` by a nested ``torch.autograd.backward`` (what reentrant checkpoint does for all
-of them), and ``on_found`` is told what was found, so that the
-runner passes them as the Function's inputs too from the next call on, where their gradients go back
-through the outer backward like the parameters'. Under the engine the runner walks every backward:
+of them), and ``on_found`` is told what was found, so that the runner passes them as the
+Function's inputs too from the next call on, where their gradients go back through the outer
+backward like the parameters'. Under the engine the runner walks every backward:
 its recomputes after a block's first at a shape run with the engine's module hooks out of the way
 (so without the probe; ``module_hooks.Quiet``), and the walk finds every leaf. A runner on its own
 walks a block's first backward for each shape of its inputs, and every backward of a block once
