@@ -599,6 +599,74 @@ def test_a_fallback_not_clearly_faster_gives_the_size_its_plan_back_once(ran):
     assert modes.plans[5] is original
 
 
+@pytest.mark.parametrize("ran", [2.5, 1.5])   # the plan goes back; the fallback stays
+def test_a_size_is_not_planned_again_while_its_fallback_is_on_trial(monkeypatch, ran):
+    # A plan made mid-trial takes the fallback as the mix the size runs (the incumbent another
+    # must beat by 10%), and replacing the plan ended the trial without its verdict: the
+    # emulated-link benchmark's 8-block Llama ran one block kept at 431-641 ms for the rest of
+    # its run where three kept had run 394-396. Put off until the verdict, planned then.
+    modes, step, pred, hp = _scripted_modes()
+    made = []
+    monkeypatch.setattr(modes, "_make", lambda key, **kw: made.append(key))
+    step(3 * pred)
+    step(2 * pred)                              # a miss: the fallback runs next
+    tried = modes.plans[5]
+    assert modes.trials.running(5, tried)
+    step(5 * pred)                              # its first step stands in
+    modes.replan(5, 1.3)                        # a correction asks for a plan: put off
+    assert made == [] and modes.plans[5] is tried and 5 in modes.stale
+    step(ran * pred)
+    modes.replan(5, 1.3)
+    assert made == [] and modes.plans[5] is tried
+    step(ran * pred)                            # the verdict
+    assert not modes.trials.running(5, modes.plans[5])
+    assert (modes.plans[5] is tried) == (ran < 2 * (1 - 0.1))
+    modes.replan(5, 1.0)                        # decided: planned again at once
+    assert made == [5] and 5 not in modes.stale
+
+
+def test_a_fallback_on_trial_on_the_emulated_link_reaches_its_verdict_though_asked_to_replan(
+        monkeypatch):
+    # The real clock, the rule above: as the test below, a planner told the link is far faster
+    # than the emulated one keeps and swaps, runs slow and tries its fallback; here every step of
+    # the trial also marks the size to be planned again (as a correction of its keep view does).
+    # The fallback runs its three steps all the same, and the size keeps the one the verdict
+    # chose until it is planned again after it.
+    from chameleon_swap.policy import block_modes, checks, keep_views, mix_runs
+    monkeypatch.setattr(block_modes, "FIRST_PLANS_FALL_BACK", False)
+    monkeypatch.setattr(cs.Chameleon, "_bandwidth", lambda self: (1e12, 1e12))
+    monkeypatch.setattr(checks, "MISSES_TO_REPLAN", 10**9)
+    monkeypatch.setattr(keep_views, "corrected", lambda *a, **k: None)
+    monkeypatch.setattr(checks.PlanChecks, "move_seconds", lambda self: 0.0)
+    torch.manual_seed(0)
+    model = CheapNet()
+    batches = [(randn(4, 2048, 64, seed=0),)] * 9
+    verdicts, on_trial = [], []
+    back = mix_runs.Trials.back
+
+    def recorded(self, key, n, seen):
+        out = back(self, key, n, seen)
+        if n == mix_runs.TRIAL_STEPS:
+            verdicts.append(key)
+        return out
+    monkeypatch.setattr(mix_runs.Trials, "back", recorded)
+
+    def between(eng):
+        m = eng._policy.modes
+        m._probe, m._probed = None, True
+        running = [k for k, p in m.plans.items() if m.trials.running(k, p)]
+        on_trial.append(bool(running))
+        m.stale.update(running)                 # asked to plan again, every step of the trial
+    history, _, budget = compare(model, batches, 0.4, model_kwarg=True, emulate_link="200MB/s",
+                                 min_tensor_bytes=2**16, between=between)
+    runs = [(s.block_modes, s.plan_source, s.offloaded_bytes) for s in history]
+    assert any(on_trial), runs                  # a trial ran ...
+    first = on_trial.index(True)
+    assert on_trial[first:first + mix_runs.TRIAL_STEPS] == [True] * mix_runs.TRIAL_STEPS, runs
+    assert verdicts, runs                       # ... its three steps, to its verdict
+    assert all(s.peak_resident_bytes <= budget for s in history)
+
+
 def test_a_mix_that_copies_and_runs_slow_on_the_emulated_link_gives_way_to_its_fallback(
         monkeypatch):
     # The real clock: the planner is told the link is 5000x faster than the emulated one the

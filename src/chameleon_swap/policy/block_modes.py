@@ -156,8 +156,9 @@ class BlockModes(SizePlans):
         """Correct the key's compute by ``compute_factor`` and its memory by ``missed_bytes``
         (what the guard moved beyond the plan), and plan it again when the ration allows
         (``may_replan``, ``fruitless``), else at a later step; while put off, the plan is the
-        one the corrections were measured against, and it takes no more."""
-        if key in self.jobs:                 # (one is being made: once it lands)
+        one the corrections were measured against, and it takes no more. Put off too while the
+        key's plan is a fallback on trial (``mix_runs.Trials``): until its verdict."""
+        if key in self.jobs or self.trials.running(key, self.plans.get(key)):
             self.stale.add(key)
             self.put_off.add(key)
             return

@@ -20,7 +20,11 @@ waited 56 ms; read at 349 against all full's 216, the size left the mix for good
 A plan's fallback (``HybridPlan.fallback``: the best other mix moving next to nothing) is run
 against the mix the plan chose once per size (``Trials``); after its third step (the faster of
 its second and third) the faster stays, by more than ``SWITCH_GAIN`` (one step's time varies by
-10-30% on a shared CPU). Before any step after the engine's first was timed, a plan that copies
+10-30% on a shared CPU). Until then the size is not planned again (``BlockModes.replan`` puts it
+off): a plan made mid-trial took the fallback as the mix the size runs, which another must beat by
+``SWITCH_GAIN`` to replace, and the trial never reached its verdict (the emulated-link benchmark's
+8-block Llama at 25%, 384 tokens: three blocks kept ran 394-396 ms, then one kept ran 431-641 ms
+for the rest of the run). Before any step after the engine's first was timed, a plan that copies
 or recomputes selectively runs its fallback outright (``until_warm``).
 
 The warnings a mode plan gives (no mix fits the budget, or the host room) are worded here too.
@@ -111,7 +115,7 @@ class Trials:
         return tried
 
     def running(self, key: int, plan) -> bool:
-        """``plan`` is the fallback on trial at ``key``."""
+        """``plan`` is the fallback on trial at ``key``, its verdict not yet given."""
         trial = self.by_key.get(key)
         return trial is not None and trial[2] is plan
 
@@ -126,6 +130,7 @@ class Trials:
         if n != TRIAL_STEPS:
             return None
         plan, ran, _ = self.by_key[key]
+        self.by_key[key] = (plan, ran, None)      # decided: no longer running, never again
         return plan if min(seen) > ran * (1 - SWITCH_GAIN) else None
 
 
