@@ -1,14 +1,19 @@
 """Keep, swap or recompute: the hybrid engine against recomputation and swapping alone.
 
     python benchmarks/hybrid.py [--device cuda] [--config 4096x8] [--quick] [--out DIR]
-    python benchmarks/hybrid.py --emulate-link 60MB/s [--label after]    # the CPU, a GPU's ratio
+    python benchmarks/hybrid.py --emulate-link 140MB/s [--config 256x8] [--label after]  # CPU
 
 ``--emulate-link BW`` (CPU only) runs the engines' copies at that bandwidth
 (``Chameleon(emulate_link=BW)``: a copy is done when a link of that bandwidth would have carried
 its bytes; only a step that waits for one waits), so a 2-core
 CPU shows a GPU's ratio of bytes to compute: on an H100, swap only at 25% costs about 2x the
 plain step (its pinned link moves about 54 GB/s), and a BW for which swap@25% costs at least
-1.8x here reproduces that. The results then also say, per hybrid step, what its plan predicted
+1.8x here reproduces that. 140 MB/s is an H100's ratio for both CPU configs by the demo's
+arithmetic (54 GB/s against 30.4 GiB saved in a 0.172 s forward, as measured by the project on
+an H100: 0.28 of what a forward saves per second of it; 256x8 saves 90 MB in a forward of about
+0.18 s at 512 tokens on one thread), and there swap@25% read 1.85-1.93x the plain step. (200
+MB/s, used until 2026-11-27, gave 1.34-1.55x since the link became a clock.) The results then
+also say, per hybrid step, what its plan predicted
 against what it measured, and the files are named ``hybrid-emulated[-LABEL]-cpu.*``. On any
 device each hybrid step's row says how long its end spent making mode plans (``plan_s``), and
 each hybrid engine's planner state the total (``planning_s``) against its steps' (``trained_s``).
@@ -38,7 +43,11 @@ this project's shared CPU whole runs moved by 0.05-0.14x).
 
 Time on one H100 (``--device cuda``, default config): 5 modes x 3 budgets x (2 + 4) steps x 3
 lengths, 270 steps; their times summed to 166 s when the project ran it there, about 3 minutes
-with the model's set-up. ``--quick`` halves the steps, ``--fractions 0.25`` runs one budget. On 2 CPU cores the default CPU config takes about 3 minutes.
+with the model's set-up. ``--quick`` halves the steps, ``--fractions 0.25`` runs one budget. On 2
+CPU cores the default CPU config (256x4) takes about 1.5 minutes, 256x8 about 2.5. 256x8 has the
+GPU config's eight blocks: at 25% the budget holds what recomputing every block saves and one
+block more (9.6 MiB of 21.5 at 512 tokens, a block 9.5), where 256x4's holds 7.6 of 11.4 and
+no block can stay without copies.
 
 Writes ``benchmarks/results/hybrid-<device>.json`` (environment, config, medians, ratios), a
 markdown table next to it and a PNG.
@@ -63,7 +72,7 @@ FRACTIONS = (0.25, 0.5, 0.75)
 # hidden x layers -> lengths of the schedule, as measured on an H100 by the project.
 GPU_CONFIGS = {"2048x16": (4096, 8192, 16384, 12288), "4096x8": (8192, 16384, 12288),
                "8192x4": (6144, 8192, 7168)}
-CPU_CONFIGS = {"256x4": (256, 512, 384), "128x2": (64, 128, 96)}
+CPU_CONFIGS = {"256x4": (256, 512, 384), "256x8": (256, 512, 384), "128x2": (64, 128, 96)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -78,7 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="fewer steps, a smaller CPU model")
     p.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     p.add_argument("--emulate-link", default=None, metavar="BW",
-                   help="CPU only: the engines' copies run at this bandwidth (e.g. 60MB/s)")
+                   help="CPU only: the engines' copies run at this bandwidth (e.g. 140MB/s)")
     p.add_argument("--label", default=None, help="added to the results' file name (e.g. before)")
     p.add_argument("--fractions", default=",".join(str(f) for f in FRACTIONS), metavar="F,F",
                    help="budgets as shares of the natural peak, each in (0, 1] "
