@@ -7,7 +7,8 @@ BENCHMARKS.md is prose written by hand around blocks this script owns: each bloc
 renders from the JSON files, so no number in a table is typed by hand. ``--check`` writes nothing
 and exits 1 when a block differs from what the files give (or a block is missing).
 
-Blocks (all from ``benchmarks/results/h100/``, one NVIDIA H100 80GB HBM3 at commit c308ca2):
+Blocks (the first four from ``benchmarks/results/h100/``, one NVIDIA H100 80GB HBM3 at commit
+c308ca2):
 
 * ``h100-env``: the environment the files record;
 * ``h100-llama``: ``hybrid-h100-<config>.json`` (``benchmarks/hybrid.py --device cuda``), one
@@ -15,7 +16,9 @@ Blocks (all from ``benchmarks/results/h100/``, one NVIDIA H100 80GB HBM3 at comm
   more device memory than the hybrid did;
 * ``h100-dit``: ``bench-h100-video-dit.json`` (``chameleon-swap bench --workload video-dit
   --size gpu``);
-* ``h100-hooks``: ``hook_cost-h100.json`` (``benchmarks/hook_cost.py --device cuda``).
+* ``h100-hooks``: ``hook_cost-h100.json`` (``benchmarks/hook_cost.py --device cuda``);
+* ``cpu-emulated``: ``hybrid-emulated-<label>-cpu.json`` (``benchmarks/hybrid.py --emulate-link
+  140MB/s``, this project's 2-core CPU), the hybrid against issue 18's CPU targets.
 
 Needs only the standard library (no torch).
 """
@@ -180,9 +183,46 @@ def hooks_block(results: Path) -> str:
     return "\n".join(out)
 
 
+# The emulated-link runs at an H100's ratio (140 MB/s), CPU: label -> what the row says.
+EMULATED = {"after-session20-256x8": "256x8", "after-session20-256x8-long": "256x8, long",
+            "after-session20-140": "256x4", "after-session20-140-long": "256x4, long"}
+
+
+def emulated_block(results: Path) -> str:
+    """Issue 18's CPU targets, step for step (``paired_vs``: the hybrid's step over another
+    mode's at the same length in the same round), the modes' own medians in brackets."""
+    out = ["| run | swap@25% / none | hybrid@25% / full | hybrid@50% / selective | "
+           "hybrid@75% / none | swap@75% / none |", "| --- | --- | --- | --- | --- | --- |"]
+    for label, name in EMULATED.items():
+        file = f"hybrid-emulated-{label}-cpu"
+        path = results / f"{file}.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: BENCHMARKS.md's tables are rendered "
+                                    f"from it")
+        d = json.loads(path.read_text())
+        r, c = d["results"], d["config"]
+
+        def cell(pct: str, mode: str, vs: str, bold: float) -> str:
+            m = r[pct][f"{mode}@{pct}"]
+            step = m["paired_vs"][vs]
+            own = m["ratio_vs_none"] / (1.0 if vs == "none" else r[pct][vs]["ratio_vs_none"])
+            text = f"{step:.3f} ({own:.2f})"
+            return f"**{text}**" if step <= bold else text
+        out.append(f"| [{name}, {c['emulated_link']}](benchmarks/results/{file}.md) | "
+                   f"{cell('25%', 'swap', 'none', 0)} | "
+                   f"{cell('25%', 'hybrid', 'full-recompute', 0.95)} | "
+                   f"{cell('50%', 'hybrid', 'selective-recompute', 1.0)} | "
+                   f"{cell('75%', 'hybrid', 'none', 1.03)} | {cell('75%', 'swap', 'none', 0)} |")
+    out += ["", "Cells: the median of the engine's step over the other mode's step step for "
+            "step, and in brackets the ratio of their medians alone; bold: the target met "
+            "(0.95x full recomputation's step at 25%, selective's at 50%, 1.03x the plain step "
+            "at 75%)."]
+    return "\n".join(out)
+
+
 BLOCKS: dict[str, Callable[[Path], str]] = {
     "h100-env": env_block, "h100-llama": llama_block, "h100-dit": dit_block,
-    "h100-hooks": hooks_block}
+    "h100-hooks": hooks_block, "cpu-emulated": emulated_block}
 
 
 # --------------------------------------------------------------------------- the document

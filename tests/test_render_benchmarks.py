@@ -30,9 +30,34 @@ def test_the_committed_document_is_what_the_committed_results_render(render):
         assert f"<!-- render: {name} -->" in text
 
 
-def test_a_changed_result_changes_the_table_and_fails_the_check(render, tmp_path, capsys):
+def _copied_results(render, tmp_path) -> Path:
     results = tmp_path / "results"
     shutil.copytree(ROOT / "benchmarks" / "results" / "h100", results / "h100")
+    for label in render.EMULATED:
+        name = f"hybrid-emulated-{label}-cpu.json"
+        shutil.copy(ROOT / "benchmarks" / "results" / name, results / name)
+    return results
+
+
+def test_a_changed_emulated_run_changes_its_row_and_its_verdict(render, tmp_path):
+    results = _copied_results(render, tmp_path)
+    doc = tmp_path / "BENCHMARKS.md"
+    doc.write_text((ROOT / "BENCHMARKS.md").read_text())
+    label = next(iter(render.EMULATED))
+    path = results / f"hybrid-emulated-{label}-cpu.json"
+    d = json.loads(path.read_text())
+    d["results"]["25%"]["hybrid@25%"]["paired_vs"]["full-recompute"] = 0.9
+    d["results"]["50%"]["hybrid@50%"]["paired_vs"]["selective-recompute"] = 1.2
+    path.write_text(json.dumps(d))
+    assert render.main(["--check", "--results", str(results), "--doc", str(doc)]) == 1
+    assert render.main(["--results", str(results), "--doc", str(doc)]) == 0
+    block = doc.read_text().split("<!-- render: cpu-emulated -->")[1]
+    row = next(line for line in block.splitlines() if f"{label}-cpu.md" in line)
+    assert "| **0.900 (" in row and "| 1.200 (" in row     # met at 25%; missed at 50%
+
+
+def test_a_changed_result_changes_the_table_and_fails_the_check(render, tmp_path, capsys):
+    results = _copied_results(render, tmp_path)
     doc = tmp_path / "BENCHMARKS.md"
     doc.write_text((ROOT / "BENCHMARKS.md").read_text())
     path = results / "h100" / "hybrid-h100-4096x8.json"
