@@ -892,6 +892,41 @@ def test_selective_is_planned_and_probed_only_where_the_runner_saw_it_can_run():
     assert modes._probe is not None and modes.plans[5].modes[modes._probe] == "full"
 
 
+def test_the_selective_probe_runs_only_where_the_plan_recomputes_the_block_fully():
+    # The probe is chosen by one size's plan and runs on the next step the block appears in:
+    # it replaces a full recompute there, never a kept block (a size the budget holds whole lost
+    # a step to it: the emulated-link benchmark's 8-block Llama at 75%, 256 tokens).
+    modes, _, _, hp = _scripted_modes()
+    plan = modes.plans[5]
+    b = max(plan.modes)
+    modes.budget = 10**12
+    for planned, want in (("keep", "keep"), ("full", "selective")):
+        modes.begin_step(modes.budget)
+        modes.plan = replace(plan, modes={**plan.modes, b: planned},
+                             working_set={**plan.working_set, b: 2000})
+        modes.key, modes.input_bytes, modes.upsized = 5, 1000, False
+        modes._probe, modes._probed, modes.probing = b, False, None
+        assert modes.mode(b, 1000) == want
+        assert (modes.probing == b) == (want == "selective") and modes._probe == b
+
+
+def test_the_selective_probe_on_the_emulated_link_leaves_a_size_that_fits_whole_alone():
+    # The real clock: a long size recomputes (its plan chooses the probe), a short one fits its
+    # budget whole. No step of the short size after its first (which may run the long size's
+    # plan, the nearest) runs a block selective or full, and every step holds its budget
+    # (compare). Before, the probe ran where it was due next: one run of this test ran a short
+    # step (3, 1, 0).
+    model = tiny_llama(dim=64, n_layers=4)
+    lengths = [64, 16] * 6
+    batches = lm_batches(model, lengths)
+    history, peaks, budget = compare(model, batches, lambda p: int(max(p) * 0.45),
+                                     model_kwarg=True, emulate_link="200MB/s")
+    assert max(p for p, T in zip(peaks, lengths) if T == 16) <= budget
+    rows = [(T, s.block_modes) for T, s in zip(lengths, history)]
+    assert all(m[1] == m[2] == 0 for T, m in rows[2:] if T == 16), rows
+    assert any(m[2] > 0 for T, m in rows if T == 64), rows
+
+
 def test_a_first_plans_stand_in_is_not_kept_as_the_mix_the_size_runs():
     # A size keeps the mix it runs unless another is predicted 10% faster; the fallback that
     # stood in for a first plan was never chosen, so the plan made once warm is the search's
