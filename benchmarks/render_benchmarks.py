@@ -185,7 +185,8 @@ def hooks_block(results: Path) -> str:
 
 # The emulated-link runs at an H100's ratio (140 MB/s), CPU: label -> what the row says.
 EMULATED = {"after-session20-256x8": "256x8", "after-session20-256x8-long": "256x8, long",
-            "after-session20-140": "256x4", "after-session20-140-long": "256x4, long"}
+            "after-session20-140": "256x4", "after-session20-140-long": "256x4, long",
+            "after-session20-probe-256x8": "256x8, the probe's rule (24740df)"}
 
 
 def emulated_block(results: Path) -> str:
