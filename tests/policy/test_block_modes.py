@@ -154,9 +154,10 @@ def test_a_larger_size_on_the_real_clock_runs_full_or_a_plan_whose_excess_the_li
 def test_upsized_by_hand():
     from types import SimpleNamespace
 
-    from chameleon_swap.planning.timeline import Profile
+    from chameleon_swap.planning.timeline import Profile, Span
     from chameleon_swap.policy.mix_runs import ModePlan, upsized
-    view = Profile([0.25, 0.25, 1.0], 2, [], 1.0, 1.0)          # a forward of 0.5 s
+    spans = [Span(60, 0, 2), Span(40, 1, 2)]                  # 100 bytes held, nothing moved
+    view = Profile([0.25, 0.25, 1.0], 2, spans, 1.0, 1.0)     # a forward of 0.5 s
     hybrid = SimpleNamespace(predicted=SimpleNamespace(peak_bytes=100), profile=view)
     plan = ModePlan({0: "keep"}, {}, 1000, 150, True, hybrid, key=5)
     # At twice the size: peak 200, forward 1 s; over a budget of 150 by 50 bytes.
@@ -166,6 +167,42 @@ def test_upsized_by_hand():
     assert not upsized(plan, True, 2000, 150, 1.0)   # the size has its own plan
     assert not upsized(None, False, 2000, 150, 1.0)  # nothing planned yet
     assert not upsized(plan, False, 500, 60, 1.0)    # a larger size's plan, scaled down: 50
+    # A plan that copies: it holds 100 bytes with nothing moved and peaks at 80 after its copies
+    # (20 bytes out). At twice the size its copies are 40 and the excess over 150 is 50, not the
+    # 10 its predicted peak says: 51 bytes/s hide 50 bytes in the 1 s forward, 49 do not.
+    moving = SimpleNamespace(predicted=SimpleNamespace(peak_bytes=80), profile=view)
+    plan = ModePlan({0: "keep"}, {}, 1000, 80, True, moving, key=5)
+    assert upsized(plan, False, 2000, 150, 49.0) and not upsized(plan, False, 2000, 150, 51.0)
+    assert upsized(plan, False, 2000, 150, 11.0)     # (hides the 10 bytes the old count saw)
+    # No plan yet (the first size's is being made in the planner process): the nearest keep
+    # view decides, by the same arithmetic on what it holds (100 bytes, a forward of 0.5 s).
+    kv = SimpleNamespace(profile=view, input_bytes=1000)
+    assert upsized(None, False, 2000, 150, 49.0, kv)
+    assert not upsized(None, False, 2000, 150, 51.0, kv)
+    assert not upsized(None, False, 2000, 150, 1.0)          # no view either: the first step
+
+
+def test_a_larger_size_with_no_plan_yet_on_the_emulated_link_runs_full_where_copies_stall():
+    # The real clock: CheapNet's first step (1024 rows, kept: a keep view) and then one twice
+    # as long before any plan is there (dropped between the steps, as when the first size's is
+    # still in the planner process). On a 10 MB/s link the excess over the budget cannot leave
+    # in the forward: every block runs full and the guard forces nothing; on a fast one the
+    # step keeps its blocks and the guard copies the excess.
+    for link, full in (("10MB/s", True), (FAST, False)):
+        torch.manual_seed(0)
+        batches = [(randn(4, n, 64, seed=i),) for i, n in enumerate((1024, 2048))]
+
+        def between(eng):
+            eng._policy.modes.plans.clear()
+        history, _, budget = compare(CheapNet(), batches, lambda p: int(max(p) * 0.4),
+                                     model_kwarg=True, min_tensor_bytes=2**16,
+                                     between=between, plan_in_background=False,
+                                     emulate_link=link)
+        long = history[1]
+        if full:
+            assert long.block_modes == (0, 0, 4) and long.forced_offloads == 0, long
+        else:
+            assert long.block_modes == (4, 0, 0) and long.offloaded_bytes > 0, long
 
 
 def test_nothing_recomputed_or_moved_when_the_step_fits():

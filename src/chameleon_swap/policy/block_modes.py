@@ -115,7 +115,8 @@ class BlockModes(SizePlans):
             self.key, self.input_bytes = step_size(input_bytes), input_bytes
             self.plan = self._nearest(input_bytes)
             self.upsized = upsized(self.plan, self.key in self.plans, input_bytes, self.budget,
-                                   self.bandwidth_fn()[0])
+                                   self.bandwidth_fn()[0],
+                                   self._view_near(input_bytes) if self.plan is None else None)
         planned = ("full" if self.upsized else self.plan.modes.get(b, "keep")
                    if self.plan is not None else "keep")
         # The selective probe runs where the plan recomputes the block fully, never in place of

@@ -38,6 +38,7 @@ from typing import Optional
 from ..config import format_bytes
 from ..planning.calibration import dominates, moving
 from ..planning.modes import SWITCH_GAIN, HybridPlan
+from ..planning.timeline import unmoved_peak
 
 
 @dataclass
@@ -164,24 +165,38 @@ def until_warm(hp, warm: bool):
 
 
 def upsized(plan: Optional[ModePlan], own: bool, input_bytes: int, budget: int,
-            d2h: float) -> bool:
+            d2h: float, view=None) -> bool:
     """Whether a step of ``input_bytes`` whose size has no plan of its own (``own`` False) runs
     every block full instead of ``plan`` (made for the nearest size: a larger one where there is
-    one): where that plan's predicted peak, scaled to this size, exceeds ``budget`` by more than
-    the link (``d2h`` bytes/s) can copy out in the plan's forward, scaled. The guard's copies of
-    that excess would stall: on an H100 the demo's second step, twice the first's length, ran
-    the first's plan at 620 ms where checkpointing ran 250 ms (by this rule's arithmetic about
-    4.2 GiB over, 80 ms of copies against a forward of about 60). Full recomputation is the safe
-    side, at about checkpointing's cost. Where the link hides the excess, the plan runs, and the
-    size keeps its first visit's keep view (none comes of a step run full: HF Llama 256x4 at
-    75%, running its longest size full on its first visit left that size without one, and its
-    mixes at 1.25x the plain step where swapping alone ran 1.10x)."""
-    pred = plan.hybrid.predicted if plan is not None and not own else None
-    if pred is None:
+    one): where what that plan's mix holds with nothing moved (its unmoved peak), scaled to this
+    size, exceeds ``budget`` by more than the link (``d2h`` bytes/s) can copy out in the plan's
+    forward, scaled. (Not its predicted peak: that has the plan's own copies taken out, and they
+    grow with the size too.) With no plan at all yet (the first size's is still being made in
+    the planner process), the same of ``view``, the nearest keep view (a ``KeepView``; None:
+    none yet, the engine's first step, which runs kept to learn one): the emulated-link
+    benchmark's 8-block Llama at 25% ran its second step, twice the first's length, with every
+    block kept while the first size's plan was being made, the guard copying 65 MiB over a 140
+    MB/s link: 1.06 s, where all full runs 0.72 s. The guard's copies of such an excess stall:
+    on an H100 the demo's second step, twice the first's length, ran the first's plan at 620
+    ms where checkpointing ran 250 ms (by this rule's arithmetic about 4.2 GiB over, 80 ms of
+    copies against a forward of about 60). Full recomputation is the safe side, at about
+    checkpointing's cost. Where the link hides the excess, the plan runs, and the size keeps
+    its first visit's keep view (none comes of a step run full: HF Llama 256x4 at 75%, running
+    its longest size full on its first visit left that size without one, and its mixes at 1.25x
+    the plain step where swapping alone ran 1.10x)."""
+    if own:
         return False
-    view, scale = plan.hybrid.profile, input_bytes / max(1, plan.input_bytes)
-    over = pred.peak_bytes * scale - budget
-    return over > 0 and over / d2h > view.starts[view.n_forward] * scale
+    if plan is not None and plan.hybrid.predicted is not None:
+        held = max(plan.hybrid.predicted.peak_bytes, unmoved_peak(plan.hybrid.profile))
+        prof, size = plan.hybrid.profile, plan.input_bytes
+    elif plan is None and view is not None:
+        prof, size = view.profile, view.input_bytes
+        held = unmoved_peak(prof)
+    else:
+        return False
+    scale = input_bytes / max(1, size)
+    over = held * scale - budget
+    return over > 0 and over / d2h > prof.starts[prof.n_forward] * scale
 
 
 def no_mix_fits(budget: int, hp) -> str:
