@@ -1,16 +1,16 @@
 """Keep, swap or recompute: the hybrid engine against recomputation and swapping alone.
 
     python benchmarks/hybrid.py [--device cuda] [--config 4096x8] [--quick] [--out DIR]
-    python benchmarks/hybrid.py --emulate-link 140MB/s [--config 256x8] [--label after]  # CPU
+    python benchmarks/hybrid.py --emulate-link 130MB/s [--config 256x8] [--label after]  # CPU
 
 ``--emulate-link BW`` (CPU only) runs the engines' copies at that bandwidth
 (``Chameleon(emulate_link=BW)``: a copy is done when a link of that bandwidth would have carried
 its bytes; only a step that waits for one waits), so a 2-core
 CPU shows a GPU's ratio of bytes to compute: on an H100, swap only at 25% costs about 2x the
 plain step (its pinned link moves about 54 GB/s), and a BW for which swap@25% costs at least
-1.8x here reproduces that: 140 MB/s, where swap@25% read 1.76-2.04x the plain step in five runs
-(2026-11-27; 150-160 MB/s gave 1.69-1.79x, 200 MB/s, used until then, 1.34-1.55x since the link
-became a clock). The demo's arithmetic (54 GB/s against 30.4 GiB saved in a 0.172 s forward, as
+1.8x here reproduces that: 130 MB/s, where swap@25% read 2.01-2.36x the plain step in four runs
+(2026-11-27; 140 MB/s 1.72-2.04x in six, 150-160 MB/s 1.69-1.79x, and 200 MB/s, used until then,
+1.34-1.55x since the link became a clock). The demo's arithmetic (54 GB/s against 30.4 GiB saved in a 0.172 s forward, as
 measured by the project on an H100: a link that carries 0.28 of what a forward saves per second
 of it) gives 170-180 MB/s for both CPU configs (about 0.6 GB saved per second of forward at 512
 tokens, one thread), a little faster. The results then also say, per hybrid step, what its plan
@@ -88,7 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="fewer steps, a smaller CPU model")
     p.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     p.add_argument("--emulate-link", default=None, metavar="BW",
-                   help="CPU only: the engines' copies run at this bandwidth (e.g. 140MB/s)")
+                   help="CPU only: the engines' copies run at this bandwidth (e.g. 130MB/s)")
     p.add_argument("--label", default=None, help="added to the results' file name (e.g. before)")
     p.add_argument("--fractions", default=",".join(str(f) for f in FRACTIONS), metavar="F,F",
                    help="budgets as shares of the natural peak, each in (0, 1] "
