@@ -8,16 +8,16 @@
 its bytes; only a step that waits for one waits), so a 2-core
 CPU shows a GPU's ratio of bytes to compute: on an H100, swap only at 25% costs about 2x the
 plain step (its pinned link moves about 54 GB/s), and a BW for which swap@25% costs at least
-1.8x here reproduces that: 130 MB/s, where swap@25% read 2.01-2.36x the plain step in four runs
+1.8x here reproduces that: 130 MB/s, where swap@25% read 1.92-2.36x the plain step in four runs
 (2026-11-27; 140 MB/s 1.72-2.04x in six, 150-160 MB/s 1.69-1.79x, and 200 MB/s, used until then,
-1.34-1.55x since the link became a clock). The demo's arithmetic (54 GB/s against 30.4 GiB saved in a 0.172 s forward, as
-measured by the project on an H100: a link that carries 0.28 of what a forward saves per second
-of it) gives 170-180 MB/s for both CPU configs (about 0.6 GB saved per second of forward at 512
-tokens, one thread), a little faster. The results then also say, per hybrid step, what its plan
-predicted
-against what it measured, and the files are named ``hybrid-emulated[-LABEL]-cpu.*``. On any
-device each hybrid step's row says how long its end spent making mode plans (``plan_s``), and
-each hybrid engine's planner state the total (``planning_s``) against its steps' (``trained_s``).
+1.34-1.55x since the link became a clock). The demo's arithmetic (54 GB/s against 30.4 GiB saved
+in a 0.172 s forward, as measured by the project on an H100: a link that carries 0.28 of what a
+forward saves per second of it) gives 170-180 MB/s for both CPU configs (about 0.6 GB saved per
+second of forward at 512 tokens, one thread), a little faster. The results then also say, per
+hybrid step, what its plan predicted against what it measured, and the files are named
+``hybrid-emulated[-LABEL]-cpu.*``. On any device each hybrid step's row says how long its end
+spent making mode plans (``plan_s``), and each hybrid engine's planner state the total
+(``planning_s``) against its steps' (``trained_s``).
 
 A Hugging Face ``LlamaForCausalLM`` built from a config (SDPA attention, fp32 weights; bf16
 autocast on CUDA), trained on a schedule of sequence lengths. Modes, interleaved step by step in

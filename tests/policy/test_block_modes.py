@@ -662,21 +662,28 @@ def test_a_size_is_not_planned_again_while_its_fallback_is_on_trial(monkeypatch,
     assert made == [5] and 5 not in modes.stale
 
 
+def _told_a_fast_link(monkeypatch) -> nn.Module:
+    """A CheapNet whose engine's planner is told the link is 1 TB/s each way (the emulated one
+    is far slower), with the loop's other learners off (the checks' replans, keep views
+    corrected by timed steps, the host time of a move, the first plans' fallbacks)."""
+    from chameleon_swap.policy import block_modes, checks, keep_views
+    monkeypatch.setattr(block_modes, "FIRST_PLANS_FALL_BACK", False)
+    monkeypatch.setattr(cs.Chameleon, "_bandwidth", lambda self: (1e12, 1e12))
+    monkeypatch.setattr(checks, "MISSES_TO_REPLAN", 10**9)
+    monkeypatch.setattr(keep_views, "corrected", lambda *a, **k: None)
+    monkeypatch.setattr(checks.PlanChecks, "move_seconds", lambda self: 0.0)   # copies: free
+    torch.manual_seed(0)
+    return CheapNet()
+
+
 def test_a_fallback_on_trial_on_the_emulated_link_reaches_its_verdict_though_asked_to_replan(
         monkeypatch):
     # The real clock, the rule above: as the test below, a planner told the link is far faster
     # than the emulated one keeps and swaps, runs slow and tries its fallback; here every step of
     # the trial also marks the size to be planned again (as a correction of its keep view does).
-    # The fallback runs its three steps all the same, and the size keeps the one the verdict
-    # chose until it is planned again after it.
-    from chameleon_swap.policy import block_modes, checks, keep_views, mix_runs
-    monkeypatch.setattr(block_modes, "FIRST_PLANS_FALL_BACK", False)
-    monkeypatch.setattr(cs.Chameleon, "_bandwidth", lambda self: (1e12, 1e12))
-    monkeypatch.setattr(checks, "MISSES_TO_REPLAN", 10**9)
-    monkeypatch.setattr(keep_views, "corrected", lambda *a, **k: None)
-    monkeypatch.setattr(checks.PlanChecks, "move_seconds", lambda self: 0.0)
-    torch.manual_seed(0)
-    model = CheapNet()
+    # The fallback runs its three steps all the same, to the verdict.
+    from chameleon_swap.policy import mix_runs
+    model = _told_a_fast_link(monkeypatch)
     batches = [(randn(4, 2048, 64, seed=0),)] * 9
     verdicts, on_trial = [], []
     back = mix_runs.Trials.back
@@ -714,14 +721,8 @@ def test_a_mix_that_copies_and_runs_slow_on_the_emulated_link_gives_way_to_its_f
     # (the checks, keep views corrected by timed steps, the selective probe, the host time of a
     # move, the first plans' fallbacks: tested apart); the step times the decision reads are the
     # wall clock's.
-    from chameleon_swap.policy import block_modes, checks, keep_views
-    monkeypatch.setattr(block_modes, "FIRST_PLANS_FALL_BACK", False)
-    monkeypatch.setattr(cs.Chameleon, "_bandwidth", lambda self: (1e12, 1e12))
-    monkeypatch.setattr(checks, "MISSES_TO_REPLAN", 10**9)
-    monkeypatch.setattr(keep_views, "corrected", lambda *a, **k: None)
-    monkeypatch.setattr(checks.PlanChecks, "move_seconds", lambda self: 0.0)   # copies: free
-    torch.manual_seed(0)
-    model = CheapNet()
+    from chameleon_swap.policy import checks
+    model = _told_a_fast_link(monkeypatch)
     batches = [(randn(4, 2048, 64, seed=0),)] * 8
     trials = []
 
