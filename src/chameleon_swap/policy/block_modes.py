@@ -119,14 +119,14 @@ class BlockModes(SizePlans):
                                    self._view_near(input_bytes) if self.plan is None else None)
         planned = ("full" if self.upsized else self.plan.modes.get(b, "keep")
                    if self.plan is not None else "keep")
+        if planned == "keep":
+            return "keep"                    # (the common case: no working set to look up)
         # The selective probe runs where the plan recomputes the block fully, never in place of
         # keeping it: a size the budget holds whole lost a step to a probe chosen by another's
         # plan (the emulated-link benchmark's 8-block Llama at 75%, 256 tokens, one block
         # selective on the second visit of a size where nothing moves or is recomputed).
         probe = self._probe is not None and b == self._probe and self.probing is None \
             and planned == "full"
-        if planned == "keep" and not probe:
-            return "keep"                    # (the common case: no working set to look up)
         ws = self._working_set(b)
         rest = max(0, ws - input_bytes)      # what its recompute holds beside its inputs
         if probe:
