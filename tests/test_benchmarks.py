@@ -122,6 +122,26 @@ def test_hybrid_compares_modes_step_for_step(script):
     assert h.paired_md({"25%": {"none": {"median_step_s": 0.1}}}) == ""
 
 
+def test_hybrid_reports_the_noise_floor_beside_its_prediction_error(script):
+    # Each step from a length's third on, predicted by the last step its length ran in the same
+    # mix (a first visit never: it runs cold): what a model cannot beat by much on a noisy
+    # machine, beside the engine's own error.
+    h = script("hybrid")
+
+    def row(step, pred, modes):
+        return {"length": 8, "step_s": step, "predicted_s": pred, "block_modes": modes}
+    keep, mix = [2, 0, 0], [1, 0, 1]
+    seen = [row(9.0, None, keep), row(1.0, 1.0, keep), row(1.2, 1.0, keep),
+            row(2.0, 1.0, mix), row(0.9, 1.0, keep), row(2.2, 2.0, mix)]
+    assert h.noise_floor(seen) == pytest.approx([0.2, 0.25, 0.1])
+    assert h.noise_floor(seen[:3]) == pytest.approx([0.2])
+    assert h.noise_floor([row(9.0, None, keep), row(1.0, 1.0, mix), row(1.0, 1.0, keep)]) is None
+    out = h.prediction_summary({"25%": {"hybrid@25%": {"steps": seen}}})
+    assert out == [{"budget": "25%", "length": 8, "visits": 6,
+                    "median_error_from_visit_3": pytest.approx(0.15),
+                    "noise_floor": pytest.approx(0.2)}]
+
+
 def test_capped_on_cuda_plans_the_steps_its_estimate_counts(script, fake_cuda):
     c = script("capped")
     a = c.parse_args(["--device", "cuda"])
