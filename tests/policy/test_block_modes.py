@@ -542,32 +542,60 @@ def test_a_mix_slower_than_predicted_tries_its_fallback_and_the_faster_stays():
     assert modes.plans[5] is tried
 
 
+def _fallback_predicted(modes, hp, ratio: float):
+    """The scripted plan (``_scripted_modes``) with its fallback predicted at ``ratio`` x its
+    own prediction (its own mix scripted: ``hp``, else the scripted plan's)."""
+    swap = hp.fallback.swap
+    fb = replace(hp.fallback, swap=replace(swap, predicted=replace(
+        swap.predicted, total_seconds=ratio * hp.predicted.total_seconds)))
+    plan = modes.plans[5]
+    hp = replace(hp, fallback=fb)
+    modes.plans[5] = replace(plan, modes=dict(zip(plan.modes, hp.modes)), hybrid=hp)
+    return hp
+
+
+@pytest.mark.parametrize("fallback", [1.05, 1.32])
 @pytest.mark.parametrize("link", [1e13, 1e8])
-def test_a_mix_that_copies_is_checked_against_its_fallback_though_it_ran_as_predicted(link):
+def test_a_mix_that_copies_is_checked_against_its_fallback_though_it_ran_as_predicted(
+        link, fallback):
     # Its copies at the link's bandwidth: a few microseconds of a step of milliseconds (1e13),
-    # or more than the 10% a prediction may miss by (1e8).
+    # or more than the 10% a prediction may miss by (1e8). Its fallback predicted 5% slower
+    # than it (tried), or 32% (the scripted plan's own: it ran as predicted, so the fallback
+    # could win only on a model wrong about it by more than the 10% a switch asks for).
     modes, step, pred, hp = _scripted_modes()
+    hp = _fallback_predicted(modes, hp, fallback)
     modes.bandwidth_fn = lambda: (link, link)
     copies = hp.predicted.moved_bytes / link
     assert hp.predicted.moved_bytes > 0
     step(3 * pred)
     assert step(pred) == hp.modes               # as predicted
     tried = tuple(modes.plans[5].modes.values()) == hp.fallback.modes
-    assert tried == (copies > 0.1 * hp.predicted.total_seconds), copies
+    assert tried == (copies > 0.1 * hp.predicted.total_seconds and fallback < 1.1), copies
 
 
-def test_a_mix_with_a_selective_block_is_checked_against_its_fallback_though_it_ran_as_predicted():
+def test_a_mix_that_copies_and_ran_slow_is_tried_against_a_fallback_predicted_slower_still():
+    # Slower than its own prediction by more than 10%: its model is wrong about it, and the
+    # fallback's predicted 32% runs anyway.
+    modes, step, pred, hp = _scripted_modes()
+    modes.bandwidth_fn = lambda: (1e13, 1e13)   # (its copies: nothing to the step)
+    step(3 * pred)
+    step(1.2 * pred)
+    assert modes.plans[5].hybrid is hp.fallback
+
+
+@pytest.mark.parametrize("fallback", [1.05, 1.32])
+def test_a_mix_with_a_selective_block_is_checked_against_its_fallback_though_it_ran_as_predicted(
+        fallback):
     # Selective's figures come from one probe of one block: a mix that leans on them is run
-    # beside the fallback once, as a mix that copies is. (The trigger is what is tested: the
-    # plan is the scripted one with its last block's mode set selective.)
+    # beside the fallback once, as a mix that copies is, where its fallback is not predicted
+    # clearly slower than it ran. (The trigger is what is tested: the plan is the scripted one
+    # with its last block's mode set selective.)
     modes, step, pred, hp = _scripted_modes()
     modes.bandwidth_fn = lambda: (1e13, 1e13)   # its copies: nothing to the step
-    plan = modes.plans[5]
-    sel = replace(hp, modes=hp.modes[:-1] + ("selective",))
-    modes.plans[5] = replace(plan, modes=dict(zip(plan.modes, sel.modes)), hybrid=sel)
+    sel = _fallback_predicted(modes, replace(hp, modes=hp.modes[:-1] + ("selective",)), fallback)
     step(3 * pred)
     step(pred)                                  # as predicted
-    assert modes.plans[5].hybrid is hp.fallback
+    assert (modes.plans[5].hybrid is sel.fallback) == (fallback < 1.1)
 
 
 def test_a_mix_that_moves_nothing_is_tried_against_its_fallback_only_where_it_ran_slow():
@@ -660,6 +688,29 @@ def test_a_size_is_not_planned_again_while_its_fallback_is_on_trial(monkeypatch,
     assert (modes.plans[5] is tried) == (ran < 2 * (1 - 0.1))
     modes.replan(5, 1.0)                        # decided: planned again at once
     assert made == [5] and 5 not in modes.stale
+
+
+def test_on_the_emulated_link_a_mix_that_copies_as_predicted_skips_a_trial_its_model_rules_out():
+    # The real clock, the rule above: blocks whose recompute sleeps 40 ms (``SlowRecompute``),
+    # a 1 GB/s emulated link. Once the first plans' fallbacks have run, the size keeps every
+    # block and copies about 48 MB (more than a tenth of its step on the link: a mix the model
+    # is least sure of), and runs at or under its prediction (about 100 ms); its fallback, every
+    # block full, is predicted (and runs) at about 220 ms. Before the rule, the fallback ran its
+    # three steps of trial all the same, at 215-222 ms.
+    torch.manual_seed(0)
+    model = CheapNet()
+    for i, blk in enumerate(model.blocks):
+        model.blocks[i] = SlowRecompute(64)
+        model.blocks[i].load_state_dict(blk.state_dict())
+    batches = [(randn(4, 2048, 64, seed=0),)] * 12
+    history, _, _ = compare(model, batches, 0.4, model_kwarg=True, emulate_link="1GB/s",
+                            min_tensor_bytes=2**16, plan_in_background=False)
+    runs = [(s.block_modes, round(s.step_seconds * 1e3), s.predicted_step_seconds and
+             round(s.predicted_step_seconds * 1e3), s.offloaded_bytes) for s in history]
+    kept = [i for i, s in enumerate(history) if s.block_modes == (4, 0, 0) and i > 0]
+    assert kept and history[kept[0]].offloaded_bytes > 0, runs
+    first = kept[0]
+    assert all(s.block_modes == (4, 0, 0) for s in history[first:]), runs
 
 
 def _told_a_fast_link(monkeypatch) -> nn.Module:

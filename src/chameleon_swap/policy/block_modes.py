@@ -46,7 +46,7 @@ from ..planning.signatures import step_size
 from . import keep_views
 from .checks import MISS   # a mix that ran this much slower than planned: planned again
 from .keep_views import KeepView, scaled
-from .mix_runs import ModePlan, MixRuns, Trials, moved, source, upsized
+from .mix_runs import ModePlan, MixRuns, Trials, moved, outran, source, upsized
 from .size_plans import Job, SizePlans
 
 REPLAN_BUDGET_CHANGE = 0.05     # a budget that moved by more than this re-plans the key
@@ -332,7 +332,8 @@ class BlockModes(SizePlans):
         p = plan.hybrid.predicted
         unsure = (p.moved_bytes / min(self.bandwidth_fn()) > MISS * p.total_seconds
                   or "selective" in plan.hybrid.modes)
-        tried = (ran > pred * (1 + MISS) or unsure) and self.trials.start(self.key, plan, ran)
+        tried = (ran > pred * (1 + MISS) or unsure and not outran(plan.hybrid, pred, ran)) \
+            and self.trials.start(self.key, plan, ran)
         if tried:
             self.plans[self.key] = tried  # its fallback runs next (``mix_runs.Trials``)
         elif n == 2 and seen[-1] > pred * (1 + MISS):

@@ -18,7 +18,9 @@ same Llama at 25%, 384 tokens: two blocks kept ran 216 ms, then 349 ms on a step
 waited 56 ms; read at 349 against all full's 216, the size left the mix for good).
 
 A plan's fallback (``HybridPlan.fallback``: the best other mix moving next to nothing) is run
-against the mix the plan chose once per size (``Trials``); after its third step (the faster of
+against the mix the plan chose once per size (``Trials``), where the mix ran slower than
+predicted, or copies or recomputes selectively and ran no faster than its fallback is predicted
+to (``outran``); after its third step (the faster of
 its second and third) the faster stays, by more than ``SWITCH_GAIN`` (one step's time varies by
 10-30% on a shared CPU). Until then the size is not planned again (``BlockModes.replan`` puts it
 off): a plan made mid-trial took the fallback as the mix the size runs, which another must beat by
@@ -31,6 +33,7 @@ The warnings a mode plan gives (no mix fits the budget, or the host room) are wo
 """
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -133,6 +136,21 @@ class Trials:
         plan, ran, _ = self.by_key[key]
         self.by_key[key] = (plan, ran, None)      # decided: no longer running, never again
         return plan if min(seen) > ran * (1 - SWITCH_GAIN) else None
+
+
+def outran(hp, pred: float, ran: float) -> bool:
+    """Whether mode plan ``hp``, predicted at ``pred`` seconds at this step's size and run at
+    ``ran``, ran faster than its fallback is predicted to by more than ``SWITCH_GAIN``: the
+    fallback could win its trial only on a model wrong about it by more than that, where the
+    plan's own prediction held (the emulated-link benchmark's 8-block Llama at 75%, 512 tokens:
+    every block kept, 24 MB copied, ran 512-561 ms against 545 predicted; its fallback, four
+    blocks full, predicted 598 ms, ran 545-655 ms on its three steps of trial, half the size's
+    six visits)."""
+    fb, own = hp.fallback, hp.predicted
+    if fb is None or fb.predicted is None or own is None or own.total_seconds <= 0 \
+            or not math.isfinite(pred):
+        return False
+    return fb.predicted.total_seconds * pred / own.total_seconds > ran * (1 + SWITCH_GAIN)
 
 
 def source(p: Optional[ModePlan], key: Optional[int], visits: dict) -> Optional[str]:
