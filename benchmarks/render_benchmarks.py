@@ -193,7 +193,9 @@ EMULATED = {"after-session20-256x8": "256x8 (c59b193)",
             "after-session20-upsized-256x8": "256x8 (618a37d)",
             "after-session20-130-256x8": "256x8 (618a37d)",
             "after-session20-130-256x8-long": "256x8, long (618a37d)",
-            "after-session20-130": "256x4 (618a37d)"}
+            "after-session20-130": "256x4 (618a37d)",
+            "after-session21-256x8": "256x8 (db80379)",
+            "after-session21-256x8-long": "256x8, long (db80379)"}
 
 
 def emulated_block(results: Path) -> str:
