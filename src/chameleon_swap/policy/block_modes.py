@@ -20,8 +20,9 @@ step's size.
 * What ran outranks what was predicted (``mix_runs``): mixes that ran are ranked by their step
   times, and a mix that copies, recomputes selectively or ran slower than predicted is checked
   once per size against its plan's fallback (kept and full blocks, next to nothing moved);
-  faster stays. A quiet mix that keeps a block its fallback recomputes is not: only noise could
-  favour that.
+  faster stays. Not a mix that ran as predicted where its fallback is predicted clearly slower
+  than it ran (``mix_runs.outran``), nor a quiet mix that keeps a block its fallback recomputes:
+  only noise could favour that.
 * Selective figures (what selective checkpointing keeps and costs) are measured, not assumed: the
   first time a plan recomputes a block fully and selective was never measured, one such block runs
   selective for one step; its held bytes and recompute time, against its keep-view figures, give
@@ -45,7 +46,7 @@ from ..planning.modes import working_set
 from ..planning.signatures import step_size
 from . import keep_views
 from .checks import MISS   # a mix that ran this much slower than planned: planned again
-from .keep_views import KeepView, scaled
+from .keep_views import KeepView
 from .mix_runs import ModePlan, MixRuns, Trials, moved, outran, source, upsized
 from .size_plans import Job, SizePlans
 
@@ -328,7 +329,8 @@ class BlockModes(SizePlans):
                 self.stale.add(self.key)
             return
         pred, ran = self.predicted_seconds() or float("inf"), statistics.median(seen)
-        # Copies over MISS of the step on the link, or selective (one probe): checked anyway
+        # Copies over MISS of the step on the link, or selective (one probe): checked though it
+        # ran as predicted, unless its model rules the fallback out (``outran``)
         p = plan.hybrid.predicted
         unsure = (p.moved_bytes / min(self.bandwidth_fn()) > MISS * p.total_seconds
                   or "selective" in plan.hybrid.modes)

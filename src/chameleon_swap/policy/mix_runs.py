@@ -19,15 +19,15 @@ waited 56 ms; read at 349 against all full's 216, the size left the mix for good
 
 A plan's fallback (``HybridPlan.fallback``: the best other mix moving next to nothing) is run
 against the mix the plan chose once per size (``Trials``), where the mix ran slower than
-predicted, or copies or recomputes selectively and ran no faster than its fallback is predicted
-to (``outran``); after its third step (the faster of
-its second and third) the faster stays, by more than ``SWITCH_GAIN`` (one step's time varies by
-10-30% on a shared CPU). Until then the size is not planned again (``BlockModes.replan`` puts it
-off): a plan made mid-trial took the fallback as the mix the size runs, which another must beat by
-``SWITCH_GAIN`` to replace, and the trial never reached its verdict (the emulated-link benchmark's
-8-block Llama at 25%, 384 tokens: three blocks kept ran 394-396 ms, then one kept ran 431-641 ms
-for the rest of the run). Before any step after the engine's first was timed, a plan that copies
-or recomputes selectively runs its fallback outright (``until_warm``).
+predicted, or copies or recomputes selectively and did not outrun its fallback's prediction
+(``outran``); after its third step (the faster of its second and third) the faster stays, by
+more than ``SWITCH_GAIN`` (one step's time varies by 10-30% on a shared CPU). Until then the
+size is not planned again (``BlockModes.replan`` puts it off): a plan made mid-trial took the
+fallback as the mix the size runs, which another must beat by ``SWITCH_GAIN`` to replace, and
+the trial never reached its verdict (the emulated-link benchmark's 8-block Llama at 25%, 384
+tokens: three blocks kept ran 394-396 ms, then one kept ran 431-641 ms for the rest of the run).
+Before any step after the engine's first was timed, a plan that copies or recomputes selectively
+runs its fallback outright (``until_warm``).
 
 The warnings a mode plan gives (no mix fits the budget, or the host room) are worded here too.
 """
@@ -142,7 +142,8 @@ def outran(hp, pred: float, ran: float) -> bool:
     """Whether mode plan ``hp``, predicted at ``pred`` seconds at this step's size and run at
     ``ran``, ran faster than its fallback is predicted to by more than ``SWITCH_GAIN``: the
     fallback could win its trial only on a model wrong about it by more than that, where the
-    plan's own prediction held (the emulated-link benchmark's 8-block Llama at 75%, 512 tokens:
+    plan's own prediction held (a plan that ran over it is tried regardless: ``BlockModes``).
+    Measured (the emulated-link benchmark's 8-block Llama at 75%, 512 tokens:
     every block kept, 24 MB copied, ran 512-561 ms against 545 predicted; its fallback, four
     blocks full, predicted 598 ms, ran 545-655 ms on its three steps of trial, half the size's
     six visits)."""
