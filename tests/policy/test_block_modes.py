@@ -433,15 +433,15 @@ class SlowRecompute(Cheap):
         return super().forward(x)
 
 
-def _slow_recompute_run() -> list:
-    """The engine's history over 16 steps of a 4-block ``SlowRecompute`` net at 40% of its
-    peak on a 1 GB/s emulated link (bitwise and the budget checked by ``compare``)."""
+def _slow_recompute_run(steps: int = 16) -> list:
+    """The engine's history over ``steps`` steps of a 4-block ``SlowRecompute`` net at 40% of
+    its peak on a 1 GB/s emulated link (bitwise and the budget checked by ``compare``)."""
     torch.manual_seed(0)
     model = CheapNet()
     for i, blk in enumerate(model.blocks):
         model.blocks[i] = SlowRecompute(64)
         model.blocks[i].load_state_dict(blk.state_dict())
-    batches = [(randn(4, 2048, 64, seed=0),)] * 16
+    batches = [(randn(4, 2048, 64, seed=0),)] * steps
     history, _, _ = compare(model, batches, 0.4, model_kwarg=True, emulate_link="1GB/s",
                             min_tensor_bytes=2**16, plan_in_background=False)
     return history
@@ -697,14 +697,7 @@ def test_on_the_emulated_link_a_mix_that_copies_as_predicted_skips_a_trial_its_m
     # is least sure of), and runs at or under its prediction (about 100 ms); its fallback, every
     # block full, is predicted (and runs) at about 220 ms. Before the rule, the fallback ran its
     # three steps of trial all the same, at 215-222 ms.
-    torch.manual_seed(0)
-    model = CheapNet()
-    for i, blk in enumerate(model.blocks):
-        model.blocks[i] = SlowRecompute(64)
-        model.blocks[i].load_state_dict(blk.state_dict())
-    batches = [(randn(4, 2048, 64, seed=0),)] * 12
-    history, _, _ = compare(model, batches, 0.4, model_kwarg=True, emulate_link="1GB/s",
-                            min_tensor_bytes=2**16, plan_in_background=False)
+    history = _slow_recompute_run(12)
     runs = [(s.block_modes, round(s.step_seconds * 1e3), s.predicted_step_seconds and
              round(s.predicted_step_seconds * 1e3), s.offloaded_bytes) for s in history]
     kept = [i for i, s in enumerate(history) if s.block_modes == (4, 0, 0) and i > 0]
