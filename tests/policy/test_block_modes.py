@@ -548,9 +548,14 @@ def _fallback_predicted(modes, hp, ratio: float):
     swap = hp.fallback.swap
     fb = replace(hp.fallback, swap=replace(swap, predicted=replace(
         swap.predicted, total_seconds=ratio * hp.predicted.total_seconds)))
+    return _runs(modes, replace(hp, fallback=fb))
+
+
+def _runs(modes, hp, **changes):
+    """The scripted plan (``_scripted_modes``) made to run hybrid plan ``hp`` (its mix with it;
+    ``changes``: other fields of the ``ModePlan``); returns ``hp``."""
     plan = modes.plans[5]
-    hp = replace(hp, fallback=fb)
-    modes.plans[5] = replace(plan, modes=dict(zip(plan.modes, hp.modes)), hybrid=hp)
+    modes.plans[5] = replace(plan, modes=dict(zip(plan.modes, hp.modes)), hybrid=hp, **changes)
     return hp
 
 
@@ -602,9 +607,7 @@ def test_a_mix_that_moves_nothing_is_tried_against_its_fallback_only_where_it_ra
     modes, step, pred, hp = _scripted_modes()
     quiet = hp.fallback                         # a plan that moves nothing, given a fallback
     # (what the fallback is does not matter here: the trigger is what is tested)
-    plan = modes.plans[5]
-    modes.plans[5] = replace(plan, modes=dict(zip(plan.modes, quiet.modes)),
-                             hybrid=replace(quiet, fallback=hp), working_set={})
+    _runs(modes, replace(quiet, fallback=hp), working_set={})
     pred = quiet.predicted.total_seconds
     step(3 * pred)
     step(1.05 * pred)                           # within 10% of its prediction: it stays
@@ -622,9 +625,7 @@ def test_a_quiet_mix_that_does_no_more_work_than_its_fallback_is_not_tried_again
     assert set(all_full.modes) == {"full"} and not all_full.predicted.moved_bytes
     # (the same prediction: what decides is that it keeps a block all full recomputes)
     quiet = replace(all_full, modes=("keep",) + all_full.modes[1:])
-    plan = modes.plans[5]
-    modes.plans[5] = replace(plan, modes=dict(zip(plan.modes, quiet.modes)),
-                             hybrid=replace(quiet, fallback=all_full), working_set={})
+    _runs(modes, replace(quiet, fallback=all_full), working_set={})
     p = quiet.predicted.total_seconds
     for t in (3 * p, 1.5 * p, 1.5 * p, 1.5 * p):
         step(t)

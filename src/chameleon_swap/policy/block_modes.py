@@ -138,10 +138,9 @@ class BlockModes(SizePlans):
             # Selective keeps every matmul's output from forward, also those a kept block does
             # not save (projections back to the residual stream): it may not fit. Not probed.
             self._probe, self._probed = None, True
-        if planned != "keep":
-            if ws > self.budget:     # its recompute alone would not fit (a shorter size's
-                return "keep"        # plan, or every block full): kept, its tensors can move
-            self.pending[b] = rest
+        if ws > self.budget:         # its recompute alone would not fit (a shorter size's
+            return "keep"            # plan, or every block full): kept, its tensors can move
+        self.pending[b] = rest
         return planned
 
     # ------------------------------------------------------------------ what the step ran on

@@ -143,10 +143,9 @@ def outran(hp, pred: float, ran: float) -> bool:
     ``ran``, ran faster than its fallback is predicted to by more than ``SWITCH_GAIN``: the
     fallback could win its trial only on a model wrong about it by more than that, where the
     plan's own prediction held (a plan that ran over it is tried regardless: ``BlockModes``).
-    Measured (the emulated-link benchmark's 8-block Llama at 75%, 512 tokens:
-    every block kept, 24 MB copied, ran 512-561 ms against 545 predicted; its fallback, four
-    blocks full, predicted 598 ms, ran 545-655 ms on its three steps of trial, half the size's
-    six visits)."""
+    Measured (the emulated-link benchmark's 8-block Llama at 75%, 512 tokens: every block kept,
+    24 MB copied, ran 512-561 ms against 545 predicted; its fallback, four blocks full,
+    predicted 598 ms, ran 545-655 ms on its three steps of trial, half the size's six visits)."""
     fb, own = hp.fallback, hp.predicted
     if fb is None or fb.predicted is None or own is None or own.total_seconds <= 0 \
             or not math.isfinite(pred):

@@ -13,10 +13,10 @@ the next ones are handed to the process, plans made again after a step missed it
 (``checks._remake_swap_plan``) among them. The share: on the CPU demo's Llama a plan took 11-21
 ms at the end of steps of 60-160 ms, under the absolute threshold, so every new sequence's step
 and every replanned one paid 10-20% of itself on the step's thread (about 3% of the run). The
-step that asked ends at once; its sequence runs as any
-sequence without a plan does (a plan that agrees by keys, or the guard) until the plan lands, at
-the end of a later step, where it is compiled against the profile it was made from and cached
-(unless a newer plan for the sequence is there by then). Plans under that cost stay on the
+step that asked ends at once; its sequence runs as any sequence without a plan does (a plan that
+agrees by keys, or the guard) until the plan lands, at the end of a later step, where it is
+compiled against the profile it was made from and cached (unless a newer plan for the sequence
+is there by then). Plans under that cost stay on the
 step's thread: a small model's plan takes a millisecond or two, less than a job's round trip,
 and lands for the very next step. A job that fails is not retried; the sequence is planned
 again here when it next wants a plan.
