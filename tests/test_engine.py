@@ -204,16 +204,23 @@ def test_with_a_budget_every_record_gets_its_marker_at_save(policy, monkeypatch)
     assert calls["offload"] == calls["fetch"] == 0
 
 
-def test_a_record_saved_with_no_budget_refuses_to_move():
+@pytest.mark.parametrize("traced", [False, True], ids=["resident-only", "executor-path"])
+def test_a_record_saved_with_no_budget_refuses_to_move(traced, tmp_path):
     """Such a record has no ready marker; moving it could copy bytes not yet written on CUDA, so
-    the executor refuses (no policy asks: they move only records of a step with a budget)."""
-    with engine(None) as eng:
+    the executor refuses (no policy asks: they move only records of a step with a budget). On
+    the executor's path (a traced engine's) it raises; a record of the lean path (an engine that
+    never moves) has no handles to move it through, and ``offload`` declines it."""
+    with engine(None, trace_dir=tmp_path if traced else None) as eng:
         x = torch.randn(4, 8, requires_grad=True)
         with eng.step():
             y = (x * 2).tanh()
             rec = next(iter(eng._ex.live))
-            with pytest.raises(RuntimeError, match="no budget"):
-                eng._ex.offload(rec)
+            if traced:
+                with pytest.raises(RuntimeError, match="no budget"):
+                    eng._ex.offload(rec)
+            else:
+                assert eng._ex.offload(rec) is False
+            assert rec.state == "resident"
             y.sum().backward()
     x_ref = x.detach().clone().requires_grad_(True)
     (x_ref * 2).tanh().sum().backward()

@@ -188,9 +188,20 @@ class Chameleon:
         self._hooks = module_hooks.register(self, self._resident_only)
         # The list itself, not a copy: ``module_hooks.paused`` puts new handles in it.
         weakref.finalize(self, module_hooks.remove, self._hooks)
-        if self._resident_only:
+        # With model=, a step of a size the budget holds whole runs on the lean path from its
+        # first block on (``_block_mode``); not with a memory limit (its budget moves within the
+        # step, counted at module calls) or a trace (a traced step is timed save by save).
+        self._lean_ok = (self._runner is not None and limit is None and self._trace_dir is None
+                         and self.config.budget_bytes is not None)
+        self._lean_step = False                   # this step went lean (and may have tripped)
+        self._lean_from = 0
+        if self._lean_ok:
+            self._policy.modes.lean_sizes.on = True
+        if self._resident_only or self._lean_ok:
             from .runtime.resident import resident_hooks
             self._ex.pack, self._ex.unpack = resident_hooks(self._ex)
+            me = weakref.ref(self)                # (the executor holds the engine weakly)
+            self._ex.on_trip = lambda: (me() or _Gone)._trip()
         self._saved_hooks: tuple = ()             # (pack, unpack, their eager wrappers)
         self.history: StepHistory = StepHistory(self.config.history_size)
         self.totals = StepTotals()
@@ -271,7 +282,23 @@ class Chameleon:
         return bw.d2h_bytes_per_s, bw.h2d_bytes_per_s
 
     def _block_mode(self, b: int) -> str:
-        return self._policy.block_mode(b, self._runner.input_bytes)
+        mode = self._policy.block_mode(b, self._runner.input_bytes)
+        if self._lean_ok and self._policy.modes.lean and not self._lean_step:
+            # The budget holds this size whole: the rest of the step runs as an engine that
+            # never moves runs (``runtime/resident.py``), its blocks kept, its module calls
+            # past the engine but for the buffer check, no policy call per save, no profile.
+            ex = self._ex
+            with ex.lock:
+                ex.lean_limit, ex.lean = ex.budget, True
+            self._lean_from = len(self._profiler.nbytes)     # saves seen before it
+            self._lean_step = self._runner.lean = True
+        return mode
+
+    def _trip(self) -> None:
+        """A lean step's save would pass the budget (``Executor.on_trip``): the executor's own
+        path from there on, the policy holding the budget as on a step it has no plan for."""
+        from .policy.lean import trip
+        trip(self._policy)
 
     def _make_runner(self, model, blocks):
         """The recompute runner over the model's blocks (the default policy only; the others
@@ -355,6 +382,7 @@ class Chameleon:
             self._recover()
             self._raise_swallowed_interrupt()
             budget = self._step_budget()
+            self._lean_step = False
             self._ex.begin_step(budget)
             self._policy.begin_step()
             # A traced step is timed: the simulator needs every slot's duration.
@@ -440,6 +468,13 @@ class Chameleon:
             budget = self._memory.begin_step(self._allocated_at_start, budget)
             torch.cuda.reset_peak_memory_stats(self.device)
         return budget
+
+
+class _Gone:
+    """An engine collected mid-step: nothing to tell."""
+    @staticmethod
+    def _trip() -> None:
+        pass
 
 
 def paused_hooks(engines):

@@ -40,13 +40,15 @@ def _loss(m, x):
     return m(x).square().mean()
 
 
-@pytest.mark.parametrize("budget,cls", [(4096, Handle), (None, _Saved)],
-                         ids=["moving-handles", "resident-saved"])
-def test_interrupt_escaping_a_release_is_raised_again_and_the_books_recounted(budget, cls,
-                                                                               monkeypatch):
+@pytest.mark.parametrize("budget,blocks,cls", [(4096, False, Handle), (None, False, _Saved),
+                                               (10**9, True, _Saved)],
+                         ids=["moving-handles", "resident-saved", "lean-step-saved"])
+def test_interrupt_escaping_a_release_is_raised_again_and_the_books_recounted(budget, blocks,
+                                                                               cls, monkeypatch):
     model, ref = _model(), _model()
     x = _batch()
-    with cs.Chameleon(budget, device="cpu", min_tensor_bytes=0) as eng:
+    with cs.Chameleon(budget, device="cpu", min_tensor_bytes=0,
+                      **(dict(model=model, blocks=list(model)) if blocks else {})) as eng:
         assert eng._resident_only is (budget is None)       # the lean path's _Saved tuples
         train_step(model, x, eng, _loss)                    # warm: a plan, buffers
         model.zero_grad(set_to_none=True)
@@ -55,6 +57,8 @@ def test_interrupt_escaping_a_release_is_raised_again_and_the_books_recounted(bu
             with eng.step():
                 _loss(model, x).backward()
         monkeypatch.undo()
+        # (with blocks, a size the budget holds whole: the interrupted step ran lean)
+        assert eng.last_step.lean == ("whole" if blocks else "")
         gc.collect()
         # Every release was cut off before it began; the next look at the books makes them whole.
         assert eng.records_alive == 0

@@ -47,6 +47,7 @@ from ..planning.signatures import step_size
 from . import keep_views
 from .checks import MISS   # a mix that ran this much slower than planned: planned again
 from .keep_views import KeepView
+from .lean import LeanSizes
 from .mix_runs import ModePlan, MixRuns, Trials, moved, outran, source, upsized
 from .size_plans import Job, SizePlans
 
@@ -91,6 +92,7 @@ class BlockModes(SizePlans):
         self.warm = not FIRST_PLANS_FALL_BACK          # compute timed past the first step
         self.jobs: dict[int, Job] = {}                  # key -> its plan being made (size_plans)
         self.landed_seconds = 0.0                       # ... the process's time, until reported
+        self.lean_sizes = LeanSizes()                   # sizes the budget holds whole (lean.py)
         self.begin_step(None)
 
     # ------------------------------------------------------------------ during the step
@@ -105,6 +107,7 @@ class BlockModes(SizePlans):
         self.probing: Optional[int] = None
         self.pending: dict[int, int] = {}   # recomputes not begun: bytes beside their inputs
         self.forced: dict[int, int] = {}    # blocks run full for host room: their working sets
+        self.lean = self.tripped = False    # the step runs lean from its first block (lean.py)
 
     def ahead(self) -> int:     # room copies back must leave: the largest recompute to come
         return max(self.pending.values(), default=0)
@@ -118,6 +121,9 @@ class BlockModes(SizePlans):
             self.upsized = upsized(self.plan, self.key in self.plans, input_bytes, self.budget,
                                    self.bandwidth_fn()[0],
                                    self._view_near(input_bytes) if self.plan is None else None)
+            self.lean = self.lean_sizes.wants(self.key, self.budget)
+        if self.lean:
+            return "keep"
         planned = ("full" if self.upsized else self.plan.modes.get(b, "keep")
                    if self.plan is not None else "keep")
         if planned == "keep":
@@ -256,6 +262,12 @@ class BlockModes(SizePlans):
             self.replan(self.key, 1.0)
         elif plan is None or moved(plan.budget, self.budget, REPLAN_BUDGET_CHANGE):
             self._make(self.key)
+
+    def end_lean(self, seconds: Optional[float], moved: int) -> None:
+        """A lean step ended (``lean.py``), having moved ``moved`` bytes after a trip."""
+        self.visits[self.key] = self.visits.get(self.key, 0) + 1
+        self.trained_seconds += seconds or 0.0
+        self.lean_sizes.ran(self.key, seconds, moved, self.budget)
 
     def _moved_on(self, plan) -> bool:
         """``plan`` (this key's) was made from another size's keep view, and the view this key

@@ -32,6 +32,7 @@ from .host_room import HostRoom
 from .checks import PlanChecks, check_step
 from ..planning.cache import DEFAULT_PLAN_CACHE_SIZE, PlanCache, PlanEntry
 from .swap_jobs import SwapJobs, entry_of, plan_in_modes, wants_more
+from .lean import end_lean
 
 RECENT_STEPS = 4          # an estimated plan used this recently earns a detailed step
 FIT_COVERAGE = 0.9        # share of saved bytes a plan must match to be kept for a new sequence
@@ -285,12 +286,12 @@ class ChameleonPolicy:
         return self.checks.link or self.bandwidth_fn()
 
     def end_step(self, profile=None) -> None:
+        if self.modes.lean:
+            return end_lean(self, profile)      # nothing on it was planned (lean.py)
         self.pinned_step = profile is not None and self.checks.exempt(profile, self.modes.key)
         self.guard.end_step()
         self.host_room.end_step()
-        applied = self._applied
-        source = "guard"
-        predicted = predicted_stall = None
+        applied, source, predicted, predicted_stall = self._applied, "guard", None, None
         if applied is not None:
             if applied.replanned:
                 source, applied.replanned = "replanned", False
@@ -329,6 +330,7 @@ class ChameleonPolicy:
         if profile is not None and profile.blocks:
             t0 = time.perf_counter()         # mode planning counts as planning time too
             self.modes.end_step(profile, profile.blocks, ok=True, pinned=self.pinned_step)
+            self.modes.lean_sizes.learn(self.modes.key, profile.blocks, self.ex)
             self.planner_seconds += time.perf_counter() - t0
         if profile is not None and self.ex.budget is not None:
             check_step(self, profile, applied, mode_plan, predicted)

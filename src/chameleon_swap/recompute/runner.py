@@ -203,6 +203,7 @@ class BlockRunner:
         self._probe: Optional[tuple] = None    # (block index, hooks on top, recomputes) at entry
         self._recomputes = 0
         self._active = self._detailed = False
+        self.lean, self.lean_calls = False, 0     # the engine's lean path (block calls past it)
         self._step = 0
         self._depth = 0
         # > 0 while a checkpointed block's forward runs: what it saves goes to checkpoint, never
@@ -296,6 +297,7 @@ class BlockRunner:
         self._cache_was = _cache_off(self.model)
         # No block runs or recomputes between steps: counts an interrupt left unbalanced go.
         self._depth = self._recomputes = self.quiet = 0
+        self.lean, self.lean_calls = False, 0
         self._outside = None
         self._refresh_eligible()     # the user may have turned gradient checkpointing on or off
         self._calls, self._timed = [], []
@@ -306,7 +308,7 @@ class BlockRunner:
         ``waits``: the seconds of each of the step's waits for copies, in the order ``apart_fn``
         counted them; a recompute's time is without those that fell inside it, and without the
         moves' seconds inside it."""
-        self._active = False
+        self._active = self.lean = False
         if self._cache_was is not None:
             self.model.config.use_cache, self._cache_was = self._cache_was, None
         for live in self._live:
@@ -329,8 +331,13 @@ class BlockRunner:
 
     # ------------------------------------------------------------------ one call
     def _wants(self) -> bool:
-        return (self._active and self._depth == 0 and not self._recomputes
-                and torch.is_grad_enabled() and not _is_compiling())
+        if not (self._active and self._depth == 0 and not self._recomputes
+                and torch.is_grad_enabled() and not _is_compiling()):
+            return False
+        if self.lean:                # the engine's lean path: every block runs as written
+            self.lean_calls += 1
+            return False
+        return True
 
     def _call(self, i: int, orig, args: tuple, kwargs: dict):
         mode = "keep"

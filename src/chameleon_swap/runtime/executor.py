@@ -50,6 +50,16 @@ class Executor:
                  min_tensor_bytes: int, resident_only: bool = False) -> None:
         self.device = device
         self._cpu = device.type == "cpu"
+        # The lean path (resident.py): saves kept where autograd put them, as an engine that never
+        # moves keeps them; always on such an engine, and on one with a budget from the moment
+        # the engine finds the step to be a size its budget holds whole (``lean_limit``: the
+        # budget; a save that would pass it ends the lean path for the rest of the step, and
+        # ``on_trip`` is called). The lean path's records have no handles and never move.
+        self.resident_only = resident_only
+        self.lean = resident_only
+        self.lean_limit: Optional[int] = None
+        self.on_trip: Optional[Callable[[], None]] = None
+        self.lean_again: Optional[Callable] = None      # (t, record) -> a lean save of it
         self.copy = copy
         self.pool = pool
         self.min_tensor_bytes = min_tensor_bytes
@@ -108,6 +118,8 @@ class Executor:
             self.next_index = 0
             self.stats = StepCounters()
             self.stats.peak_resident_bytes = self.resident_bytes
+            self.lean = self.resident_only
+            self.lean_limit = None
             self.in_step = True
 
     def end_step(self, failed: bool) -> StepCounters:
@@ -242,6 +254,8 @@ class Executor:
             if rec is None and self._moved_records:
                 rec = self._moved_record(storage)
             if rec is not None and rec.state != RELEASED:
+                if not rec.handles:          # saved on the lean path: so again (resident.py)
+                    return self.lean_again(t, rec)
                 profiler.on_save(t, False)
                 h = Handle(self, rec, t)
                 self._attach(rec, h)
@@ -322,6 +336,8 @@ class Executor:
         (``_move_deferred``; waiting is allowed then). A step that would have waited moves less
         and does not stall (issue 19)."""
         assert rec.state == RESIDENT, rec.state
+        if not rec.handles:
+            return False         # saved on the lean path: autograd holds its storage itself
         if self._optional and not self.pool.ready(rec.nbytes):
             if rec not in self._deferred:
                 self._deferred.append(rec)

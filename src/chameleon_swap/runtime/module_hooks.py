@@ -196,6 +196,9 @@ def _step_hooks(eng):
         e = ref()
         if e is None or not e._in_step:
             return
+        if e._lean_step:                # the lean path (engine._block_mode): buffers only
+            _buffers(e, module, args)
+            return
         runner = e._runner
         if runner is not None:
             if runner._probe is not None:
@@ -214,7 +217,7 @@ def _step_hooks(eng):
         if frame_callback() is not None:
             return disabled_post(module, args, output)
         e = ref()
-        if e is None or not e._in_step:
+        if e is None or not e._in_step or e._lean_step:
             return
         runner = e._runner
         if runner is not None and (runner._recomputes or (runner.quiet and e._memory is None)):

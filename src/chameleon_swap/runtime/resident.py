@@ -1,22 +1,31 @@
-"""The saved-tensor hooks of an engine that can never move anything.
+"""The lean saved-tensor hooks: of an engine that can never move anything, and of a lean step.
 
-An engine with no budget, no ``device_memory_limit``, no ``model=`` and no
-``trace_dir`` never copies, plans or times anything: every saved tensor stays where autograd put
-it. What is left to do per saved tensor is what ``StepStats`` and the profile report: dedup by
-storage object (``saved_bytes``, ``peak_resident_bytes``, exact), parameters, leaves that require
-grad and buffers skipped (``skipped_bytes``), the version check autograd cannot make for hooked
-saved tensors (LESSONS 11), and the order of saves and first uses. These hooks do only that, on the
+An engine with no budget, no ``device_memory_limit``, no ``model=`` and no ``trace_dir`` never
+copies, plans or times anything: every saved tensor stays where autograd put it. Nor does a step
+of an engine with ``model=`` and a budget, from its first block on, where its size is one the
+budget holds whole (``policy/lean.py``; ``Executor.lean`` is on from then). What is left to do
+per saved tensor is what ``StepStats`` and the profile report: dedup by storage object
+(``saved_bytes``, ``peak_resident_bytes``, exact), parameters, leaves that require grad and
+buffers skipped (``skipped_bytes``), the version check autograd cannot make for hooked saved
+tensors (LESSONS 11), and the order of saves and first uses. These hooks do only that, on the
 executor's own records and counters, in fewer Python steps than ``Executor.pack``/``unpack``:
 
-* a saved tensor is a ``_Saved`` tuple (alias, version, record, executor) whose ``__del__`` tells
+* a saved tensor is a ``_Saved`` tuple (alias, version, record, release) whose ``__del__`` tells
   the executor, instead of a ``Handle`` (no geometry, weak references or witness: they serve
   moves); a parameter or buffer is a plain ``(alias, version)`` tuple (nothing to account for);
-* the storage -> record map is a plain dict holding the storage object, popped when the record is
-  released (a record's handles hold its storage anyway; identity stays the object's, LESSONS 5);
+  a record saved so has no handles, and the executor never moves it (``Executor.offload``);
+* the storage -> record map is the executor's own dict, popped when the record is released (a
+  record's saved tuples hold its storage anyway; identity stays the object's, LESSONS 5);
 * no policy call, no copy engine, no ready marker;
 * the profiler gets one raw tuple per save, turned into event ids at the step's end
-  (``Profiler.finish``): no module events (the engine registers no module hooks but the buffer
-  one), so keys and signatures are by save order alone.
+  (``Profiler.finish``) on an engine that never moves: no module events (it registers no module
+  hooks but the buffer one), so keys and signatures are by save order alone. A lean step's
+  profile keeps its saves before its first block only (``step_end``).
+
+On a lean step a save that would take the resident bytes past the budget ends the lean path
+for the rest of the step (``Executor.lean_limit``, ``on_trip``): from it on, the executor's own
+hooks, with what the lean path saved counted and left in place. A storage first saved on either
+path is saved again on the same one (its record has handles or has none).
 
 Tensors of other devices, subclasses and sparse layouts take the executor's full path, as does
 anything the executor must raise about.
@@ -28,7 +37,7 @@ import torch
 from ._eager import frame_callback, mark_eager
 from .executor import Executor
 from .interrupts import finalizer
-from .records import RELEASED, UNMARKED, Record, version_error
+from .records import RELEASED, RESIDENT, UNMARKED, Record, version_error
 
 
 class _Saved(tuple):
@@ -63,37 +72,24 @@ def recount_saved(ex: Executor) -> None:
 
 
 def resident_hooks(ex: Executor):
-    """``(pack, unpack)`` for ``saved_tensors_hooks`` on an executor that never moves: records
-    in a plain dict, the profiler in ``saves_only`` mode."""
-    if not isinstance(ex._records, dict):
-        raise RuntimeError("chameleon-swap: internal error: resident hooks need an executor made "
-                           "with resident_only=True")
+    """``(pack, unpack)`` for ``saved_tensors_hooks``: the lean path while ``ex.lean`` holds
+    (always on an engine that never moves), records in the executor's dict, the profiler's
+    ``raw`` list; the executor's own hooks otherwise (see ``lean`` below)."""
     device, records, lock, live, prof = ex.device, ex._records, ex.lock, ex.live, ex.profiler
     full_pack, full_unpack = ex.pack, ex.unpack
     Tensor, Parameter, strided = torch.Tensor, torch.nn.Parameter, torch.strided
-
-    def gone(rec: Record) -> None:
-        """A saved tensor's last reference died (Executor._handle_gone and _release, for a
-        record that never left the device). Under the lock: it may die on any thread (an
-        autograd device thread, a garbage collection)."""
-        with lock:
-            rec.live -= 1
-            if rec.live == 0 and rec.state != RELEASED:
-                if rec.counted:
-                    rec.counted = False
-                    ex.resident_bytes -= rec.nbytes
-                rec.state = RELEASED
-                live.discard(rec)
-                if records.get(rec.storage) is rec:
-                    del records[rec.storage]
-                rec.storage = None
+    # On an engine that can move, a saved tensor can die on a copy worker's thread (a garbage
+    # collection there) while the worker's caller holds the lock: the executor's own release
+    # never waits for the lock (``Executor._handle_gone``). On one that never moves, no thread
+    # holds the lock for long: the release is inlined.
+    gone = _gone_inline(ex) if ex.resident_only else ex._handle_gone
 
     def pack(t):
         if frame_callback() is not None:          # called from compiled code: see _eager.py
             return disabled_pack(t)
-        if (type(t) is not Tensor and type(t) is not Parameter) or t.device != device \
-                or t.layout != strided:
-            return full_pack(t)                   # another device, a subclass, sparse
+        if not ex.lean or (type(t) is not Tensor and type(t) is not Parameter) \
+                or t.device != device or t.layout != strided:
+            return full_pack(t)                   # not lean; another device, a subclass, sparse
         version = t._version
         alias = t.detach()
         base = t._base
@@ -109,12 +105,23 @@ def resident_hooks(ex: Executor):
             prof.raw.append((t.dtype, nbytes))
             return (alias, version)
         with lock:
-            rec = records.get(storage)            # present: not released (popped then)
+            rec = records.get(storage)            # present: its device bytes are ours
             if rec is not None:
+                if rec.handles or rec.state != RESIDENT:
+                    return full_pack(t)           # saved on the executor's path: so again
                 rec.live += 1
                 prof.raw.append((t.dtype, rec.nbytes))
                 return _Saved((alias, version, rec, gone))
             nbytes = storage.nbytes()
+            resident = ex.resident_bytes + nbytes
+            limit = ex.lean_limit
+            if limit is not None and resident > limit:
+                # The step is larger than its size was: the executor's path from here on, which
+                # keeps the budget with what the lean path saved counted and left in place.
+                ex.lean = False
+                if ex.on_trip is not None:
+                    ex.on_trip()
+                return full_pack(t)
             rec = Record(ex.next_index, nbytes, nbytes < ex.min_tensor_bytes, None, UNMARKED)
             ex.next_index += 1
             rec.storage = storage
@@ -124,12 +131,17 @@ def resident_hooks(ex: Executor):
             stats = ex.stats
             stats.saved_bytes += nbytes
             rec.counted = True                    # Executor._count, inlined
-            resident = ex.resident_bytes + nbytes
             ex.resident_bytes = resident
             if resident > stats.peak_resident_bytes:
                 stats.peak_resident_bytes = resident
             prof.raw.append((t.dtype, nbytes, t.shape))
             return _Saved((alias, version, rec, gone))
+
+    def again(t, rec: Record):
+        """A lean record's storage saved again off the lean path (``Executor.pack``)."""
+        rec.live += 1
+        prof.raw.append((t.dtype, rec.nbytes))
+        return _Saved((t.detach(), t._version, rec, gone))
 
     def unpack(h):
         if frame_callback() is not None:
@@ -153,6 +165,28 @@ def resident_hooks(ex: Executor):
         return full_unpack(h)
 
     ex.recount_lean = recount_saved
+    ex.lean_again = again
     pack, disabled_pack = mark_eager(pack)
     unpack, disabled_unpack = mark_eager(unpack)
     return pack, unpack
+
+
+def _gone_inline(ex: Executor):
+    records, lock, live = ex._records, ex.lock, ex.live
+
+    def gone(rec: Record) -> None:
+        """A saved tensor's last reference died (Executor._handle_gone and _release, for a
+        record that never left the device). Under the lock: it may die on any thread (an
+        autograd device thread, a garbage collection)."""
+        with lock:
+            rec.live -= 1
+            if rec.live == 0 and rec.state != RELEASED:
+                if rec.counted:
+                    rec.counted = False
+                    ex.resident_bytes -= rec.nbytes
+                rec.state = RELEASED
+                live.discard(rec)
+                if records.get(rec.storage) is rec:
+                    del records[rec.storage]
+                rec.storage = None
+    return gone

@@ -92,6 +92,10 @@ class StepStats:
     recomputed_bytes: int = 0          # activation bytes not kept because their block recomputes
     recompute_seconds: float = 0.0     # measured forward time repeated in backward
     block_modes: tuple = ()            # block calls that ran (keep, selective, full); () no model
+    # With model=: "whole" where the step ran on the lean path from its first block to its end
+    # (a size its budget holds whole: every block kept, no policy call per save, no profile),
+    # "tripped" where a save would have passed the budget and the rest ran the executor's path.
+    lean: str = ""
     # Weight offload (PipelineChameleon(offload_weights=True)); None without it.
     weight_peak_bytes: Optional[int] = None   # most block-weight bytes on the device at once,
                                               # from the first block's forward on
@@ -124,15 +128,18 @@ class StepStats:
             parts.append(f"planning {self.planning_seconds * 1e3:.1f} ms")
         if self.background_planning_seconds >= 1e-3:
             parts.append(f"planned beside {self.background_planning_seconds * 1e3:.1f} ms")
+        if self.lean:
+            parts.append("lean" + (", tripped" if self.lean == "tripped" else ""))
         parts.append(self.plan_source + (" (changed)" if self.sequence_changed else ""))
         return " | ".join(parts)
 
 
-def block_stats(calls: list, with_model: bool) -> dict:
-    """StepStats' recompute figures from the runner's block calls."""
+def block_stats(calls: list, with_model: bool, lean_calls: int = 0) -> dict:
+    """StepStats' recompute figures from the runner's block calls (``lean_calls``: those that
+    ran past it, kept, on a lean step)."""
     if not with_model:
         return {}
-    modes = [c.mode for c in calls]
+    modes = [c.mode for c in calls] + ["keep"] * lean_calls
     # What a recomputed block did not keep: what it re-creates, less what it still kept (its
     # inputs; under selective, also the matmul and attention outputs).
     return {"recomputed_bytes": sum(max(0, c.recomputed_bytes - c.selective_bytes - c.input_bytes)

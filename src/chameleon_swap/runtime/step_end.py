@@ -61,6 +61,8 @@ def finish_step(eng, t0: float, budget: Optional[int], failed: bool,
                  if eng._runner is not None else [])
         if eng.device.type == "cuda" and eng._memory is not None:
             memory = _end_memory_step(eng, counters, failed, oom, calls)
+        if eng._lean_step:
+            _lean_profile(eng._profiler, eng._lean_from)
         profile = eng._profiler.finish(host_seconds, stalls)
         profile.blocks = calls
         profile.extra["link"] = eng._copy.take_link()
@@ -68,7 +70,9 @@ def finish_step(eng, t0: float, budget: Optional[int], failed: bool,
         profile.extra["copy_cpu"] = eng._copy.take_cpu()
         # (time the host arena spent allocating during the step: ``policy.checks.pinned``)
         profile.extra["host_alloc_seconds"] = eng._pool.allocating_seconds(t0, time.perf_counter())
-        changed = _sequence_changed(eng, profile.ids)
+        # A lean step's profile holds the saves before its first block only: not its sequence.
+        lean = ("tripped" if eng._policy.modes.tripped else "whole") if eng._lean_step else ""
+        changed = False if lean else _sequence_changed(eng, profile.ids)
         t_plan = time.perf_counter()
         with _young_gc_paused():
             eng._policy.end_step(None if failed else profile)
@@ -95,7 +99,8 @@ def finish_step(eng, t0: float, budget: Optional[int], failed: bool,
             host_allocated_bytes=eng._pool.allocated_bytes - eng._host_allocated_at_start,
             host_wait_seconds=eng._pool.wait_seconds - eng._host_wait_at_start,
             host_deferred_moves=counters.host_deferred_moves,
-            **block_stats(calls, eng._runner is not None))
+            lean=lean, **block_stats(calls, eng._runner is not None,
+                                     eng._runner.lean_calls if lean else 0))
         eng.history.append(stats)
         eng.totals.add(stats)
         eng._timer.end(stats, eng.totals)
@@ -105,6 +110,15 @@ def finish_step(eng, t0: float, budget: Optional[int], failed: bool,
         _warn_foreign(eng, counters)
     finally:
         eng._in_step = False
+
+
+def _lean_profile(prof, n: int) -> None:
+    """A lean step's profile (``policy/lean.py``): its ``n`` saves before its first block,
+    untimed. The saves after were not seen, and records saved after a trip are numbered past
+    them; the policy plans nothing from such a step."""
+    prof.ids, prof.keys, prof.nbytes = prof.ids[:n], prof.keys[:n], prof.nbytes[:n]
+    prof.used = [i for i in prof.used if i < n]
+    prof.detailed = False
 
 
 @contextlib.contextmanager

@@ -1,0 +1,95 @@
+"""Sizes the budget holds whole, and the lean path their steps run on.
+
+A step with ``model=`` whose blocks all ran kept, on the executor's path, shows what its size
+saves when nothing moves or recomputes: its saved bytes (with what earlier steps' graphs still
+held). Where that is within the budget, keeping every block is the cheapest mix there is (no
+copy, no recompute), and what the engine does per saved tensor is all it adds. From then on
+the size's steps run on the lean path from their first block: the saved-tensor hooks of an
+engine that never moves (``runtime/resident.py``), no policy call per save, module calls past
+the engine but for its buffer check, every block run as written, no profile. Nothing on such a
+step is a choice, so nothing is planned, checked or learnt from it but its time.
+
+Measured on this project's 2-core CPU (the emulated-link benchmark's 8-block HF Llama, 384
+tokens, thread CPU time, interleaved): a budget the step never reaches cost 1.044x the plain
+step on the executor's path (1.066x with ``model=``); the hooks of an engine that never moves,
+0.997x. The cost is spread over the per-save path (no single part of it above 2.5%), so the
+way to cut it is a path with fewer parts, not a faster part.
+
+A size within ``SLACK`` of the budget is taken too (the benchmark's budgets are shares of the
+longest length's peak, and a length at that share saves a few bytes more than it: 384 tokens at
+75% of 512's, 5 bytes over): a save that would pass the budget ends the lean path for the rest
+of the step (a trip, ``Executor.lean_limit``). The executor's path keeps the budget from there,
+with the policy on no plan (the guard): it moves what the step saved before its first block
+(on the executor's path, so movable) or copies the new tensor out before its hook returns. A
+tripped step that had to move more than ``SLACK`` of the budget sends its size back to the
+executor's path, whose plans move early and overlapped, until an all-kept step there shows it
+fits again (a step that grew: another routing of an MoE, a longer sequence in the same bucket).
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Optional
+
+SLACK = 0.02        # a size this far over the budget may run lean (it trips near its end)
+RUNS_KEPT = 3       # lean steps' times kept per size
+
+
+class LeanSizes:
+    def __init__(self) -> None:
+        self.on = False                        # the engine can run lean steps (``_lean_ok``)
+        self.fits: dict[int, int] = {}         # key -> bytes its last all-kept step saved
+        self.runs: dict[int, list] = {}        # key -> its last lean steps' seconds
+
+    def wants(self, key: int, budget: Optional[int]) -> bool:
+        """A step of size ``key`` runs lean from its first block."""
+        fit = self.fits.get(key)
+        return self.on and budget is not None and fit is not None and fit <= budget * (1 + SLACK)
+
+    def learn(self, key: Optional[int], calls: list, ex) -> None:
+        """A step on the executor's path, of size ``key``, its blocks' calls ``calls``, ended:
+        where every block ran kept, what it saved (``ex``'s counters, with the bytes of earlier
+        steps' graphs still held)."""
+        if key is None or ex.budget is None or not calls or any(c.mode != "keep" for c in calls):
+            return
+        earlier = sum(r.nbytes for r in ex._earlier if r.counted)
+        self.fits[key] = ex.stats.saved_bytes + earlier
+
+    def ran(self, key: int, seconds: Optional[float], moved: int, budget: int) -> None:
+        """A lean step of ``key`` took ``seconds`` and moved ``moved`` bytes after a trip."""
+        if seconds is not None:
+            seen = self.runs.setdefault(key, [])
+            seen.append(seconds)
+            del seen[:-RUNS_KEPT]
+        if moved > budget * SLACK:
+            self.fits.pop(key, None)           # back to the executor's path (see above)
+
+    def predicted(self, key: int) -> Optional[float]:
+        """A lean step's predicted time: the low median of the size's last lean steps."""
+        seen = self.runs.get(key)
+        return statistics.median_low(seen) if seen else None
+
+
+def end_lean(policy, profile) -> None:
+    """``ChameleonPolicy.end_step`` of a lean step: what it reports, and its time. Its source
+    is "cache" (its size's decision found), "guard" where it tripped (no plan held the rest)."""
+    policy.guard.end_step()
+    policy.host_room.end_step()
+    m = policy.modes
+    predicted = m.lean_sizes.predicted(m.key)        # (from the steps before this one)
+    if profile is not None:
+        m.end_lean(profile.step_seconds, policy.ex.stats.offloaded_bytes)
+    tripped = m.tripped
+    policy._report = {"plan_source": "guard" if tripped else "cache",
+                      "plan_overrides": policy.overrides,
+                      "predicted_stall_seconds": None if tripped else 0.0,
+                      "predicted_step_seconds": predicted,
+                      "background_planning_seconds": m.landed()}
+    policy.pinned_step = False
+    policy.step_no += 1
+
+
+def trip(policy) -> None:
+    """A lean step's save would pass the budget (``Executor.on_trip``): the policy holds it on no
+    plan from here on (the guard's rules), as on a step it has never seen."""
+    policy._alive, policy._active, policy._fuzzy = [], None, None
+    policy.modes.tripped = True
