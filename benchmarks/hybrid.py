@@ -29,6 +29,10 @@ one process (the order rotates every repetition, so drift and warm-up affect eac
   model object serves every mode);
 * ``selective-recompute``: PyTorch's selective activation checkpointing around every decoder
   layer, keeping matmul and attention outputs;
+* ``hooks`` (CPU only): the plain step under ``saved_tensors_hooks`` that hand back what they
+  get: the floor of any engine built on those hooks, as autograd keeps a hooked saved tensor
+  (on this project's 2-core CPU 1.01-1.04x the plain step at 256-384 tokens: what an engine costs
+  above it is its own);
 * ``swap@P``: ``Chameleon(budget=P x natural peak)``, swap only;
 * ``hybrid@P``: ``Chameleon(budget=P x natural peak, model=model)``: keep, swap or recompute.
 
@@ -200,6 +204,10 @@ def main(argv=None) -> int:
         if mode == "none":
             loss = loss_of(T)
             loss.backward()
+        elif mode == "hooks":
+            with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+                loss = loss_of(T)
+                loss.backward()
         elif mode in ("full-recompute", "selective-recompute"):
             with checkpointed(model, selective=mode == "selective-recompute"):
                 loss = loss_of(T)
@@ -210,7 +218,8 @@ def main(argv=None) -> int:
                 loss.backward()
         return loss.detach()
 
-    peers = ["none", "full-recompute", "selective-recompute"]
+    peers = ["none"] + (["hooks"] if device.type == "cpu" else []) + [
+        "full-recompute", "selective-recompute"]
     results: dict = {}
     losses_equal = True
     steps = a.warmup + a.reps
@@ -268,6 +277,10 @@ def main(argv=None) -> int:
     print(md)
     print(f"wrote {path}")
     return 0 if losses_equal else 1
+
+
+def _same(t):
+    return t
 
 
 def save(a, cfg, device, lengths, natural: int, losses_equal: bool, results: dict):
@@ -395,10 +408,11 @@ def prediction_row(T: int, st, wall: float, plan: Optional[float] = None) -> dic
     benchmark timed around it (``wall_s``: the step and its end, the policy's planning
     included; ``plan_s``: the mode plans made at its end, where the engine makes them), and
     where its plan came from (``predicted_step_seconds`` is None before the engine had one,
-    and on engines that predate it)."""
+    and on engines that predate it), and whether it ran lean (``StepStats.lean``)."""
     pred = getattr(st, "predicted_step_seconds", None)
     return {"length": T, "step_s": st.step_seconds, "wall_s": wall, "predicted_s": pred,
-            "plan_s": plan, "plan_source": st.plan_source, "block_modes": list(st.block_modes)}
+            "plan_s": plan, "plan_source": st.plan_source, "block_modes": list(st.block_modes),
+            "lean": getattr(st, "lean", "")}
 
 
 def prediction_summary(results: dict) -> list:
