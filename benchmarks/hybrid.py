@@ -31,8 +31,8 @@ one process (the order rotates every repetition, so drift and warm-up affect eac
   layer, keeping matmul and attention outputs;
 * ``hooks`` (CPU only): the plain step under ``saved_tensors_hooks`` that hand back what they
   get: the floor of any engine built on those hooks, as autograd keeps a hooked saved tensor
-  (on this project's 2-core CPU 1.01-1.04x the plain step at 256-384 tokens: what an engine costs
-  above it is its own);
+  (in the first two runs on this project's 2-core CPU, 0.98-1.01x the plain step step for step:
+  what an engine costs above it is its own);
 * ``swap@P``: ``Chameleon(budget=P x natural peak)``, swap only;
 * ``hybrid@P``: ``Chameleon(budget=P x natural peak, model=model)``: keep, swap or recompute.
 
@@ -49,7 +49,8 @@ this project's shared CPU whole runs moved by 0.05-0.14x).
 Time on one H100 (``--device cuda``, default config): 5 modes x 3 budgets x (2 + 4) steps x 3
 lengths, 270 steps; their times summed to 166 s when the project ran it there, about 3 minutes
 with the model's set-up. ``--quick`` halves the steps, ``--fractions 0.25`` runs one budget. On 2
-CPU cores the default CPU config (256x4) takes about 1.5 minutes, 256x8 about 2.5. 256x8 has the
+CPU cores the default CPU config (256x4) took about 1.5 minutes and 256x8 about 2.5 before the
+``hooks`` peer; 256x8 takes about 3 with it. 256x8 has the
 GPU config's eight blocks: at 25% the budget holds what recomputing every block saves and one
 block more (9.6 MiB of 21.5 at 512 tokens, a block 9.5), where 256x4's holds 7.6 of 11.4 and
 no block can stay without copies.
