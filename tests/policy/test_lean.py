@@ -5,15 +5,22 @@ it; a size that had to move much after a trip goes back to the executor's path u
 step there shows it fits again."""
 from __future__ import annotations
 
+import copy
+import statistics
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn as nn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import chameleon_swap as cs
+from chameleon_swap.policy import lean
 from chameleon_swap.policy.lean import SLACK, LeanSizes
 
 from _helpers import assert_bitwise, compare, grads, natural_peak, train_step
-from _models import TBlock, lm_batches, randn, tiny_llama
+from _models import SPEC_BLOCKS, TBlock, lm_batches, randn, random_model, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")   # see conftest.py
 
@@ -74,15 +81,16 @@ def test_a_lean_record_never_moves():
         assert eng.records_alive == 0 and eng.resident_bytes == 0
 
 
-def _grows_run(extras: list, budget_of, n: int = 3) -> tuple:
+def _grows_run(extras: list, budget_of, n: int = 3, link: dict = None) -> tuple:
     """Train ``Grows(n)`` with and without the engine, one step per entry of ``extras`` (its
-    ``extra`` that step); the budget is ``budget_of(saved bytes of a step with extra=0)``."""
+    ``extra`` that step); the budget is ``budget_of(saved bytes of a step with extra=0)``;
+    ``link``: the engine's link arguments (default: ``link_bandwidth=SLOW``)."""
     model, ref = Grows(n), Grows(n)
     x = randn(2, 24, 16, seed=3)
     budget = budget_of(natural_peak(model, x, lambda m, b: m(b)))
     out = []
     with cs.Chameleon(budget, device="cpu", model=model, min_tensor_bytes=0,
-                      link_bandwidth=SLOW) as eng:
+                      **(link or {"link_bandwidth": SLOW})) as eng:
         for extra in extras:
             model.extra = ref.extra = extra
             model.zero_grad(set_to_none=True)
@@ -95,11 +103,17 @@ def _grows_run(extras: list, budget_of, n: int = 3) -> tuple:
         return out, budget, eng._policy.modes.lean_sizes
 
 
-def test_a_step_that_outgrows_its_size_trips_and_holds_the_budget():
-    steps, budget, sizes = _grows_run([0, 0, 6, 6, 0, 0, 0], lambda peak: int(peak * 1.01))
+@pytest.mark.parametrize("link", [None, {"emulate_link": "20MB/s"}], ids=["planned", "emulated"])
+def test_a_step_that_outgrows_its_size_trips_and_holds_the_budget(link):
+    """On the emulated link too: the trip's copies take the link's time, and the step waits
+    for them where the budget needs their bytes (the real clock's twin)."""
+    steps, budget, sizes = _grows_run([0, 0, 6, 6, 0, 0, 0], lambda peak: int(peak * 1.01),
+                                      link=link)
     assert [s.lean for s in steps[:3]] == ["", "whole", "tripped"]
     trip = steps[2]
     assert trip.plan_source == "guard" and trip.offloaded_bytes > budget * SLACK
+    if link is not None:
+        assert trip.forced_offloads > 0 and trip.stall_seconds > 0
     # It had to move that much: back on the executor's path, whose plans move early ...
     assert steps[3].lean == ""
     # ... until an all-kept step there shows the size fits again (steps 4 and on).
@@ -160,3 +174,32 @@ def test_no_lean_steps_without_a_budget_or_with_a_trace(kw, tmp_path):
             train_step(model, b, eng)
         assert not eng._lean_ok and [s.lean for s in eng.history] == ["", "", ""]
 
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=st.fixed_dictionaries({
+           "blocks": st.lists(st.sampled_from(SPEC_BLOCKS), min_size=2, max_size=5),
+           "dim": st.sampled_from([4, 8]), "seed": st.integers(0, 2**16)}),
+       lengths=st.lists(st.sampled_from([3, 5, 8]), min_size=3, max_size=7),
+       fraction=st.floats(0.9, 1.05), slack=st.sampled_from([SLACK, 1.0]),
+       link=st.sampled_from([SLOW, "1TB/s"]))
+def test_random_models_bitwise_and_within_budget_on_and_off_the_lean_path(spec, lengths,
+                                                                           fraction, slack, link):
+    """Budgets about the size of a step (lengths that recur, so sizes go lean; a budget between
+    the lengths' footprints, so some fit, some never run lean); with a slack of 100% (a size up
+    to twice its budget runs lean) and a fast link (sizes over the budget keep every block and
+    swap, so their fit is learnt), lean steps trip, at every point of their step."""
+    model = random_model(spec)
+    ref = copy.deepcopy(model)
+    inputs = [(randn(2, T, spec["dim"], seed=i),) for i, T in enumerate(lengths)]
+    budget = int(statistics.median(natural_peak(model, b) for b in inputs) * fraction)
+    with mock.patch.object(lean, "SLACK", slack), \
+            cs.Chameleon(budget, device="cpu", min_tensor_bytes=0, model=model,
+                         blocks=list(model.blocks), link_bandwidth=link) as eng:
+        for b in inputs:
+            model.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+            loss = train_step(model, b, eng)
+            assert_bitwise(train_step(ref, b), grads(ref), loss, grads(model))
+            assert eng.last_step.peak_resident_bytes <= budget, eng.last_step
+            assert eng.resident_bytes == 0 and eng.host_bytes_in_use == 0
