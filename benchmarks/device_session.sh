@@ -28,11 +28,13 @@
 #    written after each pass; by default with the allocator's expandable segments
 #    (CAPPED_ALLOC_CONF, empty for none): under the cap the engine keeps free what the allocator
 #    strands in split segments, and on the H100 (2026-11-27, first run) the second pass ran on
-#    budgets of 2.2-5.5 GiB.
+#    budgets of 2.2-5.5 GiB;
+# 7. benchmarks/lean.py --device cuda: lean steps against the executor's path at 75% (8k and 12k
+#    tokens of the same Llama; 150 steps, never run on a GPU yet).
 #
 # Everything lands in $OUT: one log per part and results.tgz holding the JSON, markdown and PNGs.
-# The limits (seconds) can be changed: HYBRID_S, DEMO_S, TESTS_S, CSAN_S, CAPPED_S. PARTS names
-# the parts to run (default "hybrid tests"; the others: demo, csan, capped). CSAN=1 runs every
+# The limits (seconds) can be changed: HYBRID_S, DEMO_S, TESTS_S, CSAN_S, CAPPED_S, LEAN_S. PARTS
+# names the parts to run (default "hybrid tests"; the others: demo, csan, capped, lean). CSAN=1 runs every
 # CUDA test under the sanitizer: on an H200 that ran two tests in 150 s, too slow for a lease,
 # hence part 5.
 set -u
@@ -97,6 +99,14 @@ PYTORCH_CUDA_ALLOC_CONF="${CAPPED_ALLOC_CONF-expandable_segments:True}" \
     timeout "${CAPPED_S:-150}" python3 benchmarks/capped.py --device cuda --out "$WORK/capped" \
     >>"$OUT/capped.log" 2>&1
 echo "exit $?" >>"$OUT/capped.log"
+pack
+fi
+
+if want lean; then
+stamp "lean" >"$OUT/lean.log"
+timeout "${LEAN_S:-150}" python3 benchmarks/lean.py --device cuda --out "$WORK/lean" \
+    >>"$OUT/lean.log" 2>&1
+echo "exit $?" >>"$OUT/lean.log"
 pack
 fi
 

@@ -166,3 +166,29 @@ def test_capped_runs_end_to_end_on_the_cpu_stand_in(script, tmp_path):
     assert all(r["capped"]["budget_bytes"] == int(p["natural_activation_peak_bytes"] * 0.25)
                for r in p["steps"])
     assert (tmp_path / "capped-cpu.md").read_text().startswith("# capped schedule on")
+
+
+def test_lean_on_cuda_plans_the_steps_its_estimate_counts(script, fake_cuda):
+    le = script("lean")
+    a = le.parse_args(["--device", "cuda"])
+    timed = [T for T in le.H.GPU_CONFIGS[a.config] if T != max(le.H.GPU_CONFIGS[a.config])]
+    assert a.emulate_link is None and len(le.MODES) * len(timed) * (a.warmup + a.rounds) <= 150
+    with pytest.raises(SystemExit):
+        le.parse_args(["--device", "cuda", "--emulate-link", "1GB/s"])
+    for bad in ("0", "1.5"):
+        with pytest.raises(SystemExit):
+            le.parse_args(["--fraction", bad])
+
+
+def test_lean_on_the_cpu_compares_lean_steps_with_the_executors_path(script, tmp_path):
+    """A quick run end to end: at 75% of 128 tokens' peak, 64 tokens fit whole and 96 (75% of
+    128) save a few bytes more than the budget: lean, tripping."""
+    import json
+    le = script("lean")
+    assert le.main(["--quick", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    got = json.loads((tmp_path / "lean-cpu.json").read_text())
+    assert got["losses_bitwise_equal_across_modes"] and got["config"]["lengths"] == [64, 96]
+    runs = got["per_length"]
+    assert runs["64"]["lean steps"] == {"whole": 3} and runs["96"]["lean steps"] == {"tripped": 3}
+    assert set(runs["64"]) == set(le.MODES) | {"lean steps"}
+    assert "| 64 | lean |" in (tmp_path / "lean-cpu.md").read_text()

@@ -1,0 +1,218 @@
+"""What a lean step costs against the executor's path at the same budget, step for step.
+
+    python benchmarks/lean.py [--device cuda] [--config 256x8] [--rounds 30] [--warmup 3]
+                              [--fraction 0.75] [--emulate-link 130MB/s] [--quick] [--out DIR]
+
+The emulated-link benchmark's HF Llama (``hybrid.py``'s configs and lengths), its budget a share
+of the longest length's natural peak (75% by default, as there). The longest length is left
+out: it never fits, and what it costs is ``hybrid.py``'s to measure. Of the others, on 256x8 at
+75%, 256 tokens fit whole and 384 save 5 bytes more than the budget (384 is 75% of 512), so
+their lean steps trip near the forward's end. Modes, one step each per round and length, in an
+order that rotates every round; every engine lives through the run, with only the stepping
+one's module hooks on (``paused_hooks``):
+
+* ``none``: the plain step;
+* ``hooks``: saved-tensor hooks that hand back what they get, the floor of any engine built on
+  them;
+* ``no budget``: ``Chameleon(None)``, whose every save takes the lean hooks (an engine that
+  never moves);
+* ``lean``: ``Chameleon(budget, model=model)``: a size the budget holds whole (within 2%) runs
+  lean from its first block, once one of its steps ran every block kept on the executor's path;
+* ``executor path``: the same engine with lean steps off: every save through the executor and
+  the policy, as before lean steps existed.
+
+Reported per length: each mode's step over the plain step's of the same round (median over the
+timed rounds), in wall time and in the compute thread's CPU time, and how the lean engine's
+timed steps ran (``StepStats.lean``). The first ``--warmup`` rounds are not timed (plans, and
+each size's first step on the executor's path). Writes ``benchmarks/results/lean-<device>.json``
+and a markdown table next to it.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+import hybrid as H  # noqa: E402
+
+import chameleon_swap as cs  # noqa: E402
+from chameleon_swap.engine import paused_hooks  # noqa: E402
+
+MODES = ("none", "hooks", "no budget", "lean", "executor path")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    C.add_threads_argument(p)
+    p.add_argument("--config", default=None,
+                   help=f"hidden x layers, as hybrid.py's: {', '.join(H.GPU_CONFIGS)} (GPU), "
+                        f"{', '.join(H.CPU_CONFIGS)} (CPU)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="timed rounds, each mode once a length (default 30 on the CPU, 12 on a "
+                        "GPU: 150 steps with the warm-up; hybrid.py's H100 steps of this model "
+                        "averaged 0.6 s)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
+    p.add_argument("--fraction", type=float, default=0.75,
+                   help="the budget as a share of the longest length's natural peak, in (0, 1]")
+    p.add_argument("--emulate-link", default=None, metavar="BW",
+                   help="CPU only: the engines' copies run at this bandwidth (default 130MB/s)")
+    p.add_argument("--quick", action="store_true", help="a small model, few rounds (smoke run)")
+    p.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    a = p.parse_args(argv)
+    if not 0 < a.fraction <= 1:
+        p.error(f"--fraction must be a share of the natural peak in (0, 1]; got {a.fraction}")
+    cuda = a.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        p.error("--device cuda was given but torch.cuda.is_available() is False")
+    if cuda and a.emulate_link is not None:
+        p.error("--emulate-link slows the CPU's copies; on a GPU the link is real")
+    if not cuda and a.emulate_link is None:
+        a.emulate_link = "130MB/s"
+    if a.emulate_link is not None:
+        try:
+            cs.config.parse_bandwidth(a.emulate_link, "--emulate-link")
+        except (TypeError, ValueError) as exc:
+            p.error(str(exc))
+    configs = H.GPU_CONFIGS if cuda else H.CPU_CONFIGS
+    if a.quick:
+        a.config = a.config or ("4096x8" if cuda else "128x2")
+        a.rounds, a.warmup = 3, 2
+    a.config = a.config or ("4096x8" if cuda else "256x8")
+    if a.rounds is None:
+        a.rounds = 12 if cuda else 30
+    if a.config not in configs:
+        p.error(f"--config must be one of {', '.join(configs)} on {'cuda' if cuda else 'cpu'}; "
+                f"got {a.config!r}")
+    C.check_counts(p, a, ("rounds",))
+    C.apply_threads(a)
+    return a
+
+
+def _same(t):
+    return t
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    device = torch.device(a.device)
+    model, cfg = H.build(a, device)
+    lengths = H.GPU_CONFIGS.get(a.config) or H.CPU_CONFIGS[a.config]
+    longest = max(lengths)
+    timed_lengths = sorted(T for T in set(lengths) if T != longest)
+    gen = torch.Generator().manual_seed(1)
+    batches = {T: torch.randint(0, cfg.vocab_size, (1, T + 1), generator=gen).to(device)
+               for T in sorted(set(lengths))}
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                else contextlib.nullcontext())
+
+    def step(T: int) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        ids = batches[T]
+        with autocast:
+            loss = model(input_ids=ids[:, :-1], labels=ids[:, 1:]).loss
+        loss.backward()
+        return loss.detach()
+
+    with cs.Chameleon(None, device=device) as probe:
+        with probe.step():
+            step(longest)
+        natural = probe.last_step.peak_resident_bytes
+    budget = int(natural * a.fraction)
+    link = {} if a.emulate_link is None else {"emulate_link": a.emulate_link}
+    engines = {"no budget": cs.Chameleon(None, device=device),
+               "lean": cs.Chameleon(budget, device=device, model=model, **link),
+               "executor path": cs.Chameleon(budget, device=device, model=model, **link)}
+    off = engines["executor path"]
+    off._lean_ok = off._policy.modes.lean_sizes.on = False      # every step on the executor's
+
+    def run(mode: str, T: int):
+        others = [e for m, e in engines.items() if m != mode]
+        with paused_hooks(others):
+            C.sync(device)
+            w0, c0 = C.now(), time.thread_time()
+            if mode == "none":
+                loss = step(T)
+            elif mode == "hooks":
+                with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+                    loss = step(T)
+            else:
+                with engines[mode].step():
+                    loss = step(T)
+            C.sync(device)
+            return loss, C.now() - w0, time.thread_time() - c0
+
+    times = {(m, T): [] for m in MODES for T in timed_lengths}
+    leans: dict = {T: [] for T in timed_lengths}
+    exact = True
+    rounds = a.warmup + a.rounds
+    try:
+        with C.progress(rounds * len(timed_lengths) * len(MODES),
+                        f"lean steps, {a.config} on {C.device_name(device)}") as advance:
+            for r in range(rounds):
+                for T in timed_lengths:
+                    order = list(MODES[r % len(MODES):] + MODES[:r % len(MODES)])
+                    losses = {}
+                    for m in order:
+                        losses[m], wall, cpu = run(m, T)
+                        if r >= a.warmup:
+                            times[m, T].append((wall, cpu))
+                        advance()
+                    exact &= all(torch.equal(losses["none"], v) for v in losses.values())
+                    if r >= a.warmup:
+                        leans[T].append(engines["lean"].last_step.lean)
+                        if engines["lean"].last_step.peak_resident_bytes > budget:
+                            raise RuntimeError("the lean engine's step passed its budget")
+    finally:
+        for e in engines.values():
+            e.close()
+    per_length = {}
+    for T in timed_lengths:
+        base = times["none", T]
+        per_length[str(T)] = {
+            m: {"wall_vs_none": C.median(x[0] / b[0] for x, b in zip(times[m, T], base)),
+                "cpu_vs_none": C.median(x[1] / b[1] for x, b in zip(times[m, T], base)),
+                "median_wall_s": C.median(x[0] for x in times[m, T])}
+            for m in MODES}
+        per_length[str(T)]["lean steps"] = {k: leans[T].count(k) for k in sorted(set(leans[T]))}
+    payload = {"benchmark": "lean", "environment": C.environment(device),
+               "config": {"model": a.config, "lengths": timed_lengths, "longest": longest,
+                          "fraction": a.fraction, "budget_bytes": budget,
+                          "natural_activation_peak_bytes": natural, "rounds": a.rounds,
+                          "warmup": a.warmup, "emulated_link": a.emulate_link,
+                          "threads": torch.get_num_threads()},
+               "losses_bitwise_equal_across_modes": exact, "per_length": per_length}
+    md = markdown(payload)
+    path = C.write_results("lean", device, payload, md, a.out)
+    print(md)
+    print(f"wrote {path}")
+    return 0 if exact else 1
+
+
+def markdown(payload: dict) -> str:
+    c, env = payload["config"], payload["environment"]
+    rows = []
+    for T, res in payload["per_length"].items():
+        ran = ", ".join(f"{k or 'executor path'} {n}" for k, n in res["lean steps"].items())
+        for m in MODES:
+            rows.append([T, m, res[m]["wall_vs_none"], res[m]["cpu_vs_none"],
+                         res[m]["median_wall_s"] * 1e3, ran if m == "lean" else ""])
+    return (f"# Lean steps against the executor's path\n\n{env['device_name']}, torch "
+            f"{env['torch']}, commit {env['commit']}; HF Llama {c['model']}, budget "
+            f"{cs.format_bytes(c['budget_bytes'])} ({c['fraction']:.0%} of {c['longest']} "
+            f"tokens' peak), link {c['emulated_link'] or 'real'}, {c['rounds']} timed rounds "
+            f"after {c['warmup']}; each mode's step over the plain step's of the same round "
+            f"(median); losses bitwise equal across modes: "
+            f"{payload['losses_bitwise_equal_across_modes']}.\n\n"
+            + C.markdown_table(["tokens", "mode", "wall x none", "CPU x none", "step ms",
+                                "lean engine's steps"], rows))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
