@@ -64,7 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--emulate-link", default=None, metavar="BW",
                    help="CPU only: the engines' copies run at this bandwidth (default 130MB/s)")
     p.add_argument("--quick", action="store_true", help="a small model, few rounds (smoke run)")
-    p.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="results folder (default benchmarks/results)")
     a = p.parse_args(argv)
     if not 0 < a.fraction <= 1:
         p.error(f"--fraction must be a share of the natural peak in (0, 1]; got {a.fraction}")
