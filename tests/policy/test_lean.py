@@ -81,6 +81,32 @@ def test_a_lean_record_never_moves():
         assert eng.records_alive == 0 and eng.resident_bytes == 0
 
 
+def test_a_write_in_place_to_a_lean_save_raises_as_without_the_engine():
+    """LESSONS 11 on a lean step: autograd checks no version of a hooked saved tensor, the lean
+    hooks do (the first block's output, saved by the second block's layer norm, changed in place
+    after the forward)."""
+    model = Grows()
+    x = randn(2, 24, 16, seed=3)
+    kept = []
+    model.layers[0].register_forward_hook(lambda m, a, out: kept.append(out))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss = model(x)
+        kept[-1].add_(1.0)
+        loss.backward()
+    with cs.Chameleon(10**9, device="cpu", model=model, link_bandwidth=SLOW) as eng:
+        train_step(model, x, eng)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            with eng.step():
+                loss = model(x)
+                assert eng._lean_step
+                kept[-1].add_(1.0)
+                loss.backward()
+        assert eng.last_step.failed and eng.last_step.lean == "whole"
+        del loss
+        kept.clear()
+        assert eng.records_alive == 0 and eng.resident_bytes == 0
+
+
 def _grows_run(extras: list, budget_of, n: int = 3, link: dict = None) -> tuple:
     """Train ``Grows(n)`` with and without the engine, one step per entry of ``extras`` (its
     ``extra`` that step); the budget is ``budget_of(saved bytes of a step with extra=0)``;
