@@ -30,7 +30,7 @@
 #    strands in split segments, and on the H100 (2026-11-27, first run) the second pass ran on
 #    budgets of 2.2-5.5 GiB;
 # 7. benchmarks/lean.py --device cuda: lean steps against the executor's path at 75% (8k and 12k
-#    tokens of the same Llama; 150 steps, never run on a GPU yet).
+#    tokens of the same Llama, with and without model=; 140 steps, never run on a GPU yet).
 #
 # Everything lands in $OUT: one log per part and results.tgz holding the JSON, markdown and PNGs.
 # The limits (seconds) can be changed: HYBRID_S, DEMO_S, TESTS_S, CSAN_S, CAPPED_S, LEAN_S. PARTS

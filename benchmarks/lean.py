@@ -19,7 +19,10 @@ one's module hooks on (``paused_hooks``):
 * ``lean``: ``Chameleon(budget, model=model)``: a size the budget holds whole (within 2%) runs
   lean from its first block, once one of its steps ran every block kept on the executor's path;
 * ``executor path``: the same engine with lean steps off: every save through the executor and
-  the policy, as before lean steps existed.
+  the policy, as before lean steps existed;
+* ``lean, no model`` and ``executor path, no model``: both again without ``model=`` (swapping
+  only; a lean step starts at its second saved storage, its first, the token ids, keying its
+  size).
 
 Reported per length: each mode's step over the plain step's of the same round (median over the
 timed rounds), in wall time and in the compute thread's CPU time, and how the lean engine's
@@ -44,7 +47,8 @@ import hybrid as H  # noqa: E402
 import chameleon_swap as cs  # noqa: E402
 from chameleon_swap.engine import paused_hooks  # noqa: E402
 
-MODES = ("none", "hooks", "no budget", "lean", "executor path")
+MODES = ("none", "hooks", "no budget", "lean", "executor path", "lean, no model",
+         "executor path, no model")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -55,8 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"hidden x layers, as hybrid.py's: {', '.join(H.GPU_CONFIGS)} (GPU), "
                         f"{', '.join(H.CPU_CONFIGS)} (CPU)")
     p.add_argument("--rounds", type=int, default=None,
-                   help="timed rounds, each mode once a length (default 30 on the CPU, 12 on a "
-                        "GPU: 150 steps with the warm-up; hybrid.py's H100 steps of this model "
+                   help="timed rounds, each mode once a length (default 30 on the CPU, 7 on a "
+                        "GPU: 140 steps with the warm-up; hybrid.py's H100 steps of this model "
                         "averaged 0.6 s)")
     p.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
     p.add_argument("--fraction", type=float, default=0.75,
@@ -87,7 +91,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.rounds, a.warmup = 3, 2
     a.config = a.config or ("4096x8" if cuda else "256x8")
     if a.rounds is None:
-        a.rounds = 12 if cuda else 30
+        a.rounds = 7 if cuda else 30
     if a.config not in configs:
         p.error(f"--config must be one of {', '.join(configs)} on {'cuda' if cuda else 'cpu'}; "
                 f"got {a.config!r}")
@@ -129,9 +133,12 @@ def main(argv=None) -> int:
     link = {} if a.emulate_link is None else {"emulate_link": a.emulate_link}
     engines = {"no budget": cs.Chameleon(None, device=device),
                "lean": cs.Chameleon(budget, device=device, model=model, **link),
-               "executor path": cs.Chameleon(budget, device=device, model=model, **link)}
-    off = engines["executor path"]
-    off._lean_ok = off._policy.modes.lean_sizes.on = False      # every step on the executor's
+               "executor path": cs.Chameleon(budget, device=device, model=model, **link),
+               "lean, no model": cs.Chameleon(budget, device=device, **link),
+               "executor path, no model": cs.Chameleon(budget, device=device, **link)}
+    for m in ("executor path", "executor path, no model"):       # every step on the executor's
+        off = engines[m]
+        off._lean_ok = off._policy.modes.lean_sizes.on = False
 
     def run(mode: str, T: int):
         others = [e for m, e in engines.items() if m != mode]
@@ -150,7 +157,8 @@ def main(argv=None) -> int:
             return loss, C.now() - w0, time.thread_time() - c0
 
     times = {(m, T): [] for m in MODES for T in timed_lengths}
-    leans: dict = {T: [] for T in timed_lengths}
+    leans: dict = {T: [] for T in timed_lengths}           # the lean engines' steps
+    leans_swap: dict = {T: [] for T in timed_lengths}
     exact = True
     rounds = a.warmup + a.rounds
     try:
@@ -168,8 +176,10 @@ def main(argv=None) -> int:
                     exact &= all(torch.equal(losses["none"], v) for v in losses.values())
                     if r >= a.warmup:
                         leans[T].append(engines["lean"].last_step.lean)
-                        if engines["lean"].last_step.peak_resident_bytes > budget:
-                            raise RuntimeError("the lean engine's step passed its budget")
+                        leans_swap[T].append(engines["lean, no model"].last_step.lean)
+                        if any(engines[m].last_step.peak_resident_bytes > budget
+                               for m in ("lean", "lean, no model")):
+                            raise RuntimeError("a lean engine's step passed its budget")
     finally:
         for e in engines.values():
             e.close()
@@ -182,6 +192,8 @@ def main(argv=None) -> int:
                 "median_wall_s": C.median(x[0] for x in times[m, T])}
             for m in MODES}
         per_length[str(T)]["lean steps"] = {k: leans[T].count(k) for k in sorted(set(leans[T]))}
+        per_length[str(T)]["lean steps, no model"] = {k: leans_swap[T].count(k)
+                                                      for k in sorted(set(leans_swap[T]))}
     payload = {"benchmark": "lean", "environment": C.environment(device),
                "config": {"model": a.config, "lengths": timed_lengths, "longest": longest,
                           "fraction": a.fraction, "budget_bytes": budget,
@@ -200,10 +212,11 @@ def markdown(payload: dict) -> str:
     c, env = payload["config"], payload["environment"]
     rows = []
     for T, res in payload["per_length"].items():
-        ran = ", ".join(f"{k or 'executor path'} {n}" for k, n in res["lean steps"].items())
+        ran = {m: ", ".join(f"{k or 'executor path'} {n}" for k, n in res[key].items())
+               for m, key in (("lean", "lean steps"), ("lean, no model", "lean steps, no model"))}
         for m in MODES:
             rows.append([T, m, res[m]["wall_vs_none"], res[m]["cpu_vs_none"],
-                         res[m]["median_wall_s"] * 1e3, ran if m == "lean" else ""])
+                         res[m]["median_wall_s"] * 1e3, ran.get(m, "")])
     return (f"# Lean steps against the executor's path\n\n{env['device_name']}, torch "
             f"{env['torch']}, commit {env['commit']}; HF Llama {c['model']}, budget "
             f"{cs.format_bytes(c['budget_bytes'])} ({c['fraction']:.0%} of {c['longest']} "

@@ -188,11 +188,13 @@ class Chameleon:
         self._hooks = module_hooks.register(self, self._resident_only)
         # The list itself, not a copy: ``module_hooks.paused`` puts new handles in it.
         weakref.finalize(self, module_hooks.remove, self._hooks)
-        # With model=, a step of a size the budget holds whole runs on the lean path from its
-        # first block on (``_block_mode``); not with a memory limit (its budget moves within the
-        # step, counted at module calls) or a trace (a traced step is timed save by save).
-        self._lean_ok = (self._runner is not None and limit is None and self._trace_dir is None
-                         and self.config.budget_bytes is not None)
+        # A step of a size the budget holds whole runs on the lean path (``policy/lean.py``):
+        # with model=, from its first block on (``_block_mode``), else from its second saved
+        # storage (``_first_save``); the default policy only, and not with a memory limit (its
+        # budget moves within the step, counted at module calls) or a trace (a traced step is
+        # timed save by save).
+        self._lean_ok = (hasattr(self._policy, "modes") and limit is None
+                         and self._trace_dir is None and self.config.budget_bytes is not None)
         self._lean_step = False                   # this step went lean (and may have tripped)
         self._lean_from = 0
         if self._lean_ok:
@@ -202,6 +204,8 @@ class Chameleon:
             self._ex.pack, self._ex.unpack = resident_hooks(self._ex)
             me = weakref.ref(self)                # (the executor holds the engine weakly)
             self._ex.on_trip = lambda: (me() or _Gone)._trip()
+            if self._lean_ok and self._runner is None:
+                self._ex.on_first = lambda t: (me() or _Gone)._first_save(t)
         self._saved_hooks: tuple = ()             # (pack, unpack, their eager wrappers)
         self.history: StepHistory = StepHistory(self.config.history_size)
         self.totals = StepTotals()
@@ -284,15 +288,29 @@ class Chameleon:
     def _block_mode(self, b: int) -> str:
         mode = self._policy.block_mode(b, self._runner.input_bytes)
         if self._lean_ok and self._policy.modes.lean and not self._lean_step:
-            # The budget holds this size whole: the rest of the step runs as an engine that
-            # never moves runs (``runtime/resident.py``), its blocks kept, its module calls
-            # past the engine but for the buffer check, no policy call per save, no profile.
-            ex = self._ex
-            with ex.lock:
-                ex.lean_limit, ex.lean = ex.budget, True
-            self._lean_from = len(self._profiler.nbytes)     # saves seen before it
-            self._lean_step = self._runner.lean = True
+            self._go_lean()
         return mode
+
+    def _first_save(self, t: torch.Tensor) -> None:
+        """The step's first saved storage, without model= (``Executor.on_first``): its shape
+        and dtype key the step's size (an LLM's first save is its token ids)."""
+        sizes = self._policy.modes.lean_sizes
+        sizes.key = (tuple(t.shape), t.dtype)
+        if sizes.wants(sizes.key, self._ex.budget):
+            self._policy.modes.lean = True
+            self._go_lean()
+
+    def _go_lean(self) -> None:
+        """The budget holds this step's size whole: the rest of it runs as an engine that never
+        moves runs (``runtime/resident.py``), its blocks kept, its module calls past the engine
+        but for the buffer check, no policy call per save, no profile."""
+        ex = self._ex
+        with ex.lock:
+            ex.lean_limit, ex.lean = ex.budget, True
+        self._lean_from = len(self._profiler.nbytes)     # saves seen before it
+        self._lean_step = True
+        if self._runner is not None:
+            self._runner.lean = True
 
     def _trip(self) -> None:
         """A lean step's save would pass the budget (``Executor.on_trip``): the executor's own
@@ -474,6 +492,10 @@ class _Gone:
     """An engine collected mid-step: nothing to tell."""
     @staticmethod
     def _trip() -> None:
+        pass
+
+    @staticmethod
+    def _first_save(t) -> None:
         pass
 
 

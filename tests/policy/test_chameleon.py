@@ -230,8 +230,11 @@ def test_a_plan_made_for_long_sequences_moves_nothing_on_a_short_step_that_fits(
     schedule += [(batch(2, 32, 20), True)]
     stats = run_schedule(model, schedule, budget, "chameleon")
     assert any(s.plan_source in ("planned", "cache") for s in stats[:3])
-    for s in stats[3:6]:
-        assert s.plan_source in ("planned", "replanned") and s.offloaded_bytes == 0, s
+    first = stats[3]                      # the long plan, applied by keys
+    assert first.plan_source in ("planned", "replanned") and first.offloaded_bytes == 0, first
+    assert not first.lean
+    for s in stats[4:6]:                  # then held whole: lean (policy/lean.py)
+        assert s.lean == "whole" and s.offloaded_bytes == 0, s
     mid = stats[6]
     need = mid.saved_bytes - budget
     assert need > 0 and mid.offloaded_bytes <= 1.5 * need + max(mid.saved_bytes // 10, 1), mid

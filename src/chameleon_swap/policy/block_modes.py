@@ -107,7 +107,8 @@ class BlockModes(SizePlans):
         self.probing: Optional[int] = None
         self.pending: dict[int, int] = {}   # recomputes not begun: bytes beside their inputs
         self.forced: dict[int, int] = {}    # blocks run full for host room: their working sets
-        self.lean = self.tripped = False    # the step runs lean from its first block (lean.py)
+        self.lean = self.tripped = False    # the step runs lean (lean.py)
+        self.lean_sizes.key = None
 
     def ahead(self) -> int:     # room copies back must leave: the largest recompute to come
         return max(self.pending.values(), default=0)
@@ -121,6 +122,7 @@ class BlockModes(SizePlans):
             self.upsized = upsized(self.plan, self.key in self.plans, input_bytes, self.budget,
                                    self.bandwidth_fn()[0],
                                    self._view_near(input_bytes) if self.plan is None else None)
+            self.lean_sizes.key = self.key
             self.lean = self.lean_sizes.wants(self.key, self.budget)
         if self.lean:
             return "keep"
@@ -265,9 +267,10 @@ class BlockModes(SizePlans):
 
     def end_lean(self, seconds: Optional[float], moved: int) -> None:
         """A lean step ended (``lean.py``), having moved ``moved`` bytes after a trip."""
-        self.visits[self.key] = self.visits.get(self.key, 0) + 1
-        self.trained_seconds += seconds or 0.0
-        self.lean_sizes.ran(self.key, seconds, moved, self.budget)
+        if self.key is not None:                 # (with model=: a size of the mode plans)
+            self.visits[self.key] = self.visits.get(self.key, 0) + 1
+            self.trained_seconds += seconds or 0.0
+        self.lean_sizes.ran(self.lean_sizes.key, seconds, moved, self.budget)
 
     def _moved_on(self, plan) -> bool:
         """``plan`` (this key's) was made from another size's keep view, and the view this key

@@ -32,7 +32,7 @@ from .host_room import HostRoom
 from .checks import PlanChecks, check_step
 from ..planning.cache import DEFAULT_PLAN_CACHE_SIZE, PlanCache, PlanEntry
 from .swap_jobs import SwapJobs, entry_of, plan_in_modes, wants_more
-from .lean import end_lean
+from .lean import end_lean, learn_step
 
 RECENT_STEPS = 4          # an estimated plan used this recently earns a detailed step
 FIT_COVERAGE = 0.9        # share of saved bytes a plan must match to be kept for a new sequence
@@ -330,8 +330,8 @@ class ChameleonPolicy:
         if profile is not None and profile.blocks:
             t0 = time.perf_counter()         # mode planning counts as planning time too
             self.modes.end_step(profile, profile.blocks, ok=True, pinned=self.pinned_step)
-            self.modes.lean_sizes.learn(self.modes.key, profile.blocks, self.ex)
             self.planner_seconds += time.perf_counter() - t0
+        learn_step(self, profile)               # a size the budget holds whole (lean.py)
         if profile is not None and self.ex.budget is not None:
             check_step(self, profile, applied, mode_plan, predicted)
         self.step_no += 1

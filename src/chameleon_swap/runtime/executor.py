@@ -60,6 +60,7 @@ class Executor:
         self.lean_limit: Optional[int] = None
         self.on_trip: Optional[Callable[[], None]] = None
         self.lean_again: Optional[Callable] = None      # (t, record) -> a lean save of it
+        self.on_first: Optional[Callable] = None        # (t): the step's first new record's
         self.copy = copy
         self.pool = pool
         self.min_tensor_bytes = min_tensor_bytes
@@ -270,6 +271,8 @@ class Executor:
                          UNMARKED if budget is None else self.copy.record_ready())
             self.next_index += 1
             rec.key = profiler.on_save(t, True, nbytes)
+            if rec.index == 0 and self.on_first is not None:
+                self.on_first(t)
             stats = self.stats
             stats.saved_bytes += nbytes
             rec.storage = storage

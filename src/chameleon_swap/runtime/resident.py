@@ -2,8 +2,9 @@
 
 An engine with no budget, no ``device_memory_limit``, no ``model=`` and no ``trace_dir`` never
 copies, plans or times anything: every saved tensor stays where autograd put it. Nor does a step
-of an engine with ``model=`` and a budget, from its first block on, where its size is one the
-budget holds whole (``policy/lean.py``; ``Executor.lean`` is on from then). What is left to do
+of an engine with a budget whose size the budget holds whole, from its first block on (with
+``model=``) or its second saved storage (``policy/lean.py``; ``Executor.lean`` is on from then).
+What is left to do
 per saved tensor is what ``StepStats`` and the profile report: dedup by storage object
 (``saved_bytes``, ``peak_resident_bytes``, exact), parameters, leaves that require grad and
 buffers skipped (``skipped_bytes``), the version check autograd cannot make for hooked saved

@@ -92,9 +92,10 @@ class StepStats:
     recomputed_bytes: int = 0          # activation bytes not kept because their block recomputes
     recompute_seconds: float = 0.0     # measured forward time repeated in backward
     block_modes: tuple = ()            # block calls that ran (keep, selective, full); () no model
-    # With model=: "whole" where the step ran on the lean path from its first block to its end
-    # (a size its budget holds whole: every block kept, no policy call per save, no profile),
-    # "tripped" where a save would have passed the budget and the rest ran the executor's path.
+    # "whole" where the step ran on the lean path to its end (a size its budget holds whole:
+    # from its first block with model=, else from its second saved storage; every block kept,
+    # no policy call per save, no profile), "tripped" where a save would have passed the
+    # budget and the rest ran the executor's path; "" on the executor's path.
     lean: str = ""
     # Weight offload (PipelineChameleon(offload_weights=True)); None without it.
     weight_peak_bytes: Optional[int] = None   # most block-weight bytes on the device at once,

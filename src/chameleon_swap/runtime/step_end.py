@@ -100,7 +100,7 @@ def finish_step(eng, t0: float, budget: Optional[int], failed: bool,
             host_wait_seconds=eng._pool.wait_seconds - eng._host_wait_at_start,
             host_deferred_moves=counters.host_deferred_moves,
             lean=lean, **block_stats(calls, eng._runner is not None,
-                                     eng._runner.lean_calls if lean else 0))
+                                     eng._runner.lean_calls if lean and eng._runner else 0))
         eng.history.append(stats)
         eng.totals.add(stats)
         eng._timer.end(stats, eng.totals)
