@@ -38,6 +38,20 @@ def assert_bitwise(ref_loss, ref_grads, loss, got_grads) -> None:
             assert torch.equal(a, b), f"gradient of {name} differs (max abs diff {(a - b).abs().max()})"
 
 
+def train_beside(model: torch.nn.Module, ref: torch.nn.Module, batches, eng: cs.Chameleon,
+                 budget: int) -> None:
+    """Each of ``batches`` trained on ``model`` under ``eng`` and on ``ref`` without it: every
+    loss and gradient bit for bit, every step within ``budget``, nothing left resident or held
+    on the host after it."""
+    for b in batches:
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        loss = train_step(model, b, eng)
+        assert_bitwise(train_step(ref, b), grads(ref), loss, grads(model))
+        assert eng.last_step.peak_resident_bytes <= budget, eng.last_step
+        assert eng.resident_bytes == 0 and eng.host_bytes_in_use == 0
+
+
 def natural_peak(model: torch.nn.Module, batch, loss_fn=None, device="cpu") -> int:
     """Saved-activation peak of one step with no budget (everything counted, nothing moved)."""
     m = copy.deepcopy(model)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import chameleon_swap as cs
 
 from _helpers import (assert_bitwise, compare, grads, natural_peak, steady_planning,
-                      train_step)
+                      train_beside, train_step)
 from _models import SPEC_BLOCKS, lm_batches, randn, random_model, tiny_llama, tiny_moe
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")   # see conftest.py
@@ -261,13 +261,7 @@ def test_random_models_bitwise_and_budget_with_recompute(spec, lengths, fraction
     budget = int(min(natural_peak(model, b) for b in inputs) * fraction)
     with cs.Chameleon(budget, device="cpu", min_tensor_bytes=0, model=model,
                       blocks=list(model.blocks), link_bandwidth=link) as eng:
-        for b in inputs:
-            model.zero_grad(set_to_none=True)
-            ref.zero_grad(set_to_none=True)
-            loss = train_step(model, b, eng)
-            assert_bitwise(train_step(ref, b), grads(ref), loss, grads(model))
-            assert eng.last_step.peak_resident_bytes <= budget, eng.last_step
-            assert eng.resident_bytes == 0 and eng.host_bytes_in_use == 0
+        train_beside(model, ref, inputs, eng, budget)
 
 
 def test_hugging_face_llama_blocks_found_and_bitwise(steady_clock):

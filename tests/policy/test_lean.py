@@ -19,7 +19,8 @@ import chameleon_swap as cs
 from chameleon_swap.policy import lean
 from chameleon_swap.policy.lean import SLACK, LeanSizes
 
-from _helpers import assert_bitwise, compare, grads, natural_peak, train_step
+from _helpers import (assert_bitwise, compare, grads, natural_peak, train_beside,
+                      train_step)
 from _models import SPEC_BLOCKS, TBlock, lm_batches, randn, random_model, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")   # see conftest.py
@@ -230,10 +231,4 @@ def test_random_models_bitwise_and_within_budget_on_and_off_the_lean_path(spec, 
     with mock.patch.object(lean, "SLACK", slack), \
             cs.Chameleon(budget, device="cpu", min_tensor_bytes=0, model=model,
                          blocks=list(model.blocks), link_bandwidth=link) as eng:
-        for b in inputs:
-            model.zero_grad(set_to_none=True)
-            ref.zero_grad(set_to_none=True)
-            loss = train_step(model, b, eng)
-            assert_bitwise(train_step(ref, b), grads(ref), loss, grads(model))
-            assert eng.last_step.peak_resident_bytes <= budget, eng.last_step
-            assert eng.resident_bytes == 0 and eng.host_bytes_in_use == 0
+        train_beside(model, ref, inputs, eng, budget)
