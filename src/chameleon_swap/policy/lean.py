@@ -50,7 +50,7 @@ class LeanSizes:
         self.runs: dict = {}                   # key -> its last lean steps' seconds
 
     def wants(self, key, budget: Optional[int]) -> bool:
-        """A step of size ``key`` runs lean from its first block."""
+        """A step of size ``key`` runs lean (from where its size is known: see above)."""
         fit = self.fits.get(key)
         return self.on and budget is not None and fit is not None and fit <= budget * (1 + SLACK)
 

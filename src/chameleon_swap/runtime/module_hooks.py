@@ -196,7 +196,7 @@ def _step_hooks(eng):
         e = ref()
         if e is None or not e._in_step:
             return
-        if e._lean_step:                # the lean path (engine._block_mode): buffers only
+        if e._lean_step:                # the lean path (engine._go_lean): buffers only
             _buffers(e, module, args)
             return
         runner = e._runner

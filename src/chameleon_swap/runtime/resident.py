@@ -4,12 +4,12 @@ An engine with no budget, no ``device_memory_limit``, no ``model=`` and no ``tra
 copies, plans or times anything: every saved tensor stays where autograd put it. Nor does a step
 of an engine with a budget whose size the budget holds whole, from its first block on (with
 ``model=``) or its second saved storage (``policy/lean.py``; ``Executor.lean`` is on from then).
-What is left to do
-per saved tensor is what ``StepStats`` and the profile report: dedup by storage object
-(``saved_bytes``, ``peak_resident_bytes``, exact), parameters, leaves that require grad and
-buffers skipped (``skipped_bytes``), the version check autograd cannot make for hooked saved
-tensors (LESSONS 11), and the order of saves and first uses. These hooks do only that, on the
-executor's own records and counters, in fewer Python steps than ``Executor.pack``/``unpack``:
+What is left to do per saved tensor is what ``StepStats`` and the profile report: dedup by
+storage object (``saved_bytes``, ``peak_resident_bytes``, exact), parameters, leaves that
+require grad and buffers skipped (``skipped_bytes``), the version check autograd cannot make for
+hooked saved tensors (LESSONS 11), and the order of saves and first uses. These hooks do only
+that, on the executor's own records and counters, in fewer Python steps than
+``Executor.pack``/``unpack``:
 
 * a saved tensor is a ``_Saved`` tuple (alias, version, record, release) whose ``__del__`` tells
   the executor, instead of a ``Handle`` (no geometry, weak references or witness: they serve
@@ -21,7 +21,7 @@ executor's own records and counters, in fewer Python steps than ``Executor.pack`
 * the profiler gets one raw tuple per save, turned into event ids at the step's end
   (``Profiler.finish``) on an engine that never moves: no module events (it registers no module
   hooks but the buffer one), so keys and signatures are by save order alone. A lean step's
-  profile keeps its saves before its first block only (``step_end``).
+  profile keeps only the saves before its lean path began (``step_end``).
 
 On a lean step a save that would take the resident bytes past the budget ends the lean path
 for the rest of the step (``Executor.lean_limit``, ``on_trip``): from it on, the executor's own

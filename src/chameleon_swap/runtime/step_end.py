@@ -70,7 +70,7 @@ def finish_step(eng, t0: float, budget: Optional[int], failed: bool,
         profile.extra["copy_cpu"] = eng._copy.take_cpu()
         # (time the host arena spent allocating during the step: ``policy.checks.pinned``)
         profile.extra["host_alloc_seconds"] = eng._pool.allocating_seconds(t0, time.perf_counter())
-        # A lean step's profile holds the saves before its first block only: not its sequence.
+        # A lean step's profile holds only the saves before its lean path: not its sequence.
         lean = ("tripped" if eng._policy.modes.tripped else "whole") if eng._lean_step else ""
         changed = False if lean else _sequence_changed(eng, profile.ids)
         t_plan = time.perf_counter()
@@ -113,7 +113,7 @@ def finish_step(eng, t0: float, budget: Optional[int], failed: bool,
 
 
 def _lean_profile(prof, n: int) -> None:
-    """A lean step's profile (``policy/lean.py``): its ``n`` saves before its first block,
+    """A lean step's profile (``policy/lean.py``): its ``n`` saves before its lean path began,
     untimed. The saves after were not seen, and records saved after a trip are numbered past
     them; the policy plans nothing from such a step."""
     prof.ids, prof.keys, prof.nbytes = prof.ids[:n], prof.keys[:n], prof.nbytes[:n]
