@@ -197,7 +197,9 @@ EMULATED = {"after-session20-256x8": "256x8 (c59b193)",
             "after-session21-256x8": "256x8 (db80379)",
             "after-session21-256x8-long": "256x8, long (db80379)",
             "after-session22-256x8": "256x8 (79df940)",
-            "after-session22-256x8-long": "256x8, long (79df940)"}
+            "after-session22-256x8-long": "256x8, long (79df940)",
+            "after-session22b-256x8": "256x8 (4bf59d4)",
+            "after-session22b-256x8-long": "256x8, long (4bf59d4)"}
 
 
 def emulated_block(results: Path) -> str:
