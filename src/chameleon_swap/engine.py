@@ -193,7 +193,7 @@ class Chameleon:
         # storage (``_first_save``); the default policy only, and not with a memory limit (its
         # budget moves within the step, counted at module calls) or a trace (a traced step is
         # timed save by save).
-        self._lean_ok = (hasattr(self._policy, "modes") and limit is None
+        self._lean_ok = (self.config.policy == "chameleon" and limit is None
                          and self._trace_dir is None and self.config.budget_bytes is not None)
         self._lean_step = False                   # this step went lean (and may have tripped)
         self._lean_from = 0

@@ -196,11 +196,13 @@ def test_lean_sizes_by_hand():
     assert not sizes.wants(7, 1000) and 7 not in sizes.fits
 
 
-@pytest.mark.parametrize("kw", [dict(budget=None), dict(budget=10**9, trace_dir=True)],
-                         ids=["no-budget", "traced"])
-def test_no_lean_steps_without_a_budget_or_with_a_trace(kw, tmp_path):
+@pytest.mark.parametrize("kw", [dict(budget=None), dict(budget=10**9, trace_dir=True),
+                                dict(budget=10**9, policy="static")],
+                         ids=["no-budget", "traced", "static"])
+def test_no_lean_steps_without_a_budget_with_a_trace_or_on_the_static_policy(kw, tmp_path):
     """No budget: nothing would gain (blocks keep, the executor's path with no budget is cheap
-    already); a trace needs every save timed."""
+    already); a trace needs every save timed; the static policy is the frozen-schedule peers'
+    baseline, as they run."""
     if kw.get("trace_dir"):
         kw = {**kw, "trace_dir": tmp_path}
     model = tiny_llama(n_layers=3)
