@@ -199,7 +199,9 @@ EMULATED = {"after-session20-256x8": "256x8 (c59b193)",
             "after-session22-256x8": "256x8 (79df940)",
             "after-session22-256x8-long": "256x8, long (79df940)",
             "after-session22b-256x8": "256x8 (4bf59d4)",
-            "after-session22b-256x8-long": "256x8, long (4bf59d4)"}
+            "after-session22b-256x8-long": "256x8, long (4bf59d4)",
+            "after-session22b-256x8-run2": "256x8 (4bf59d4), run 2",
+            "after-session22b-256x8-run3": "256x8 (4bf59d4), run 3"}
 
 
 def emulated_block(results: Path) -> str:
