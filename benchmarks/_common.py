@@ -42,6 +42,20 @@ def check_counts(p, a, positive, non_negative=("warmup",)) -> None:
             p.error(f"--{k.replace('_', '-')} must be >= 0; got {getattr(a, k)}")
 
 
+def check_emulated_link(p, a, gpu: bool) -> None:
+    """``--emulate-link``: ``p.error`` where the device is a GPU (``gpu``: its link is real) or
+    the value is no bandwidth ``chameleon_swap.config.parse_bandwidth`` takes."""
+    if a.emulate_link is None:
+        return
+    if gpu:
+        p.error("--emulate-link slows the CPU's copies; on a GPU the link is real")
+    from chameleon_swap.config import parse_bandwidth
+    try:
+        parse_bandwidth(a.emulate_link, "--emulate-link")
+    except (TypeError, ValueError) as exc:
+        p.error(str(exc))
+
+
 def timed(device: torch.device, fn):
     """Run ``fn()`` synchronized on both sides: (its result, wall seconds, the device memory it
     allocated above what was allocated when it began, CUDA only, else None)."""

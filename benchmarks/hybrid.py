@@ -99,13 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="budgets as shares of the natural peak, each in (0, 1] "
                         "(default: %(default)s; fewer fit a short GPU lease)")
     a = p.parse_args(argv)
-    if a.emulate_link is not None:
-        if a.device != "cpu":
-            p.error("--emulate-link slows the CPU's copies; on a GPU the link is real")
-        try:
-            cs.config.parse_bandwidth(a.emulate_link, "--emulate-link")
-        except (TypeError, ValueError) as exc:
-            p.error(str(exc))
+    C.check_emulated_link(p, a, gpu=a.device != "cpu")
     raw = a.fractions
     try:
         a.fractions = tuple(float(x) for x in raw.split(","))

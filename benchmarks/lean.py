@@ -76,15 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     cuda = a.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         p.error("--device cuda was given but torch.cuda.is_available() is False")
-    if cuda and a.emulate_link is not None:
-        p.error("--emulate-link slows the CPU's copies; on a GPU the link is real")
+    C.check_emulated_link(p, a, gpu=cuda)
     if not cuda and a.emulate_link is None:
         a.emulate_link = "130MB/s"
-    if a.emulate_link is not None:
-        try:
-            cs.config.parse_bandwidth(a.emulate_link, "--emulate-link")
-        except (TypeError, ValueError) as exc:
-            p.error(str(exc))
     configs = H.GPU_CONFIGS if cuda else H.CPU_CONFIGS
     if a.quick:
         a.config = a.config or ("4096x8" if cuda else "128x2")
@@ -98,10 +92,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     C.check_counts(p, a, ("rounds",))
     C.apply_threads(a)
     return a
-
-
-def _same(t):
-    return t
 
 
 def main(argv=None) -> int:
@@ -148,7 +138,7 @@ def main(argv=None) -> int:
             if mode == "none":
                 loss = step(T)
             elif mode == "hooks":
-                with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+                with torch.autograd.graph.saved_tensors_hooks(H._same, H._same):
                     loss = step(T)
             else:
                 with engines[mode].step():

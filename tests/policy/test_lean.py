@@ -19,8 +19,7 @@ import chameleon_swap as cs
 from chameleon_swap.policy import lean
 from chameleon_swap.policy.lean import SLACK, LeanSizes
 
-from _helpers import (assert_bitwise, compare, grads, natural_peak, train_beside,
-                      train_step)
+from _helpers import compare, natural_peak, train_beside, train_step
 from _models import SPEC_BLOCKS, TBlock, lm_batches, randn, random_model, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")   # see conftest.py
@@ -126,13 +125,8 @@ def _grows_run(extras: list, budget_of, n: int = 3, link: dict = None,
                       **(link or {"link_bandwidth": SLOW})) as eng:
         for extra in extras:
             model.extra = ref.extra = extra
-            model.zero_grad(set_to_none=True)
-            ref.zero_grad(set_to_none=True)
-            loss = train_step(model, x, eng)
-            assert_bitwise(train_step(ref, x), grads(ref), loss, grads(model))
-            st = eng.last_step
-            assert st.peak_resident_bytes <= budget, st
-            out.append(st)
+            train_beside(model, ref, [x], eng, budget)
+            out.append(eng.last_step)
         return out, budget, eng._policy.modes.lean_sizes
 
 
