@@ -97,6 +97,7 @@ def steady_planning(monkeypatch, tick: float = 50e-6) -> None:
     alone. Each input switched off here has tests of its own on the real clock (the emulated
     link); a steady mock of the profiler's clock cannot make the steps' wall time steady."""
     from chameleon_swap.policy import block_modes, checks, keep_views, mix_runs
+    from chameleon_swap.copy import cpu as cpu_copy
     from chameleon_swap.runtime import profiler
     ticks = iter(range(10**9))
     monkeypatch.setattr(profiler._CpuClock, "mark", lambda self: next(ticks) * tick)
@@ -115,3 +116,10 @@ def steady_planning(monkeypatch, tick: float = 50e-6) -> None:
     # Nor do plans made from the first step's times run their fallback until a later step is
     # timed: that guards against the first step's warm-up on a real clock, which this has not.
     monkeypatch.setattr(block_modes, "FIRST_PLANS_FALL_BACK", False)
+    # Two figures a step takes from the wall clock beside the profiler's: the copy threads' own
+    # CPU time, charged to each move (``move_seconds_each``): on a loaded 2-core CI machine it
+    # once priced a move above a recompute of its block, and every block ran full (the plans
+    # then depend on the machine's load); and the host arena's allocating time against the
+    # step's (``checks.pinned``), which leaves a step out of what the plans learn.
+    monkeypatch.setattr(cpu_copy.CpuCopyEngine, "take_cpu", lambda self: 0.0)
+    monkeypatch.setattr(checks, "pinned", lambda profile: False)
