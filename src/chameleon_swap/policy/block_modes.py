@@ -344,11 +344,11 @@ class BlockModes(SizePlans):
             return
         pred, ran = self.predicted_seconds() or float("inf"), statistics.median(seen)
         # Copies over MISS of the step on the link, or selective (one probe): checked though it
-        # ran as predicted, unless its model rules the fallback out (``outran``)
+        # ran as predicted; either, checked unless its model rules the fallback out (``outran``)
         p = plan.hybrid.predicted
         unsure = (p.moved_bytes / min(self.bandwidth_fn()) > MISS * p.total_seconds
                   or "selective" in plan.hybrid.modes)
-        tried = (ran > pred * (1 + MISS) or unsure and not outran(plan.hybrid, pred, ran)) \
+        tried = (ran > pred * (1 + MISS) or unsure) and not outran(plan.hybrid, pred, ran) \
             and self.trials.start(self.key, plan, ran)
         if tried:
             self.plans[self.key] = tried  # its fallback runs next (``mix_runs.Trials``)

@@ -19,7 +19,7 @@ waited 56 ms; read at 349 against all full's 216, the size left the mix for good
 
 A plan's fallback (``HybridPlan.fallback``: the best other mix moving next to nothing) is run
 against the mix the plan chose once per size (``Trials``), where the mix ran slower than
-predicted, or copies or recomputes selectively and did not outrun its fallback's prediction
+predicted or copies or recomputes selectively, and did not outrun its fallback's prediction
 (``outran``); after its third step (the faster of its second and third) the faster stays, by
 more than ``SWITCH_GAIN`` (one step's time varies by 10-30% on a shared CPU). Until then the
 size is not planned again (``BlockModes.replan`` puts it off): a plan made mid-trial took the
@@ -141,11 +141,16 @@ class Trials:
 def outran(hp, pred: float, ran: float) -> bool:
     """Whether mode plan ``hp``, predicted at ``pred`` seconds at this step's size and run at
     ``ran``, ran faster than its fallback is predicted to by more than ``SWITCH_GAIN``: the
-    fallback could win its trial only on a model wrong about it by more than that, where the
-    plan's own prediction held (a plan that ran over it is tried regardless: ``BlockModes``).
-    Measured (the emulated-link benchmark's 8-block Llama at 75%, 512 tokens: every block kept,
-    24 MB copied, ran 512-561 ms against 545 predicted; its fallback, four blocks full,
-    predicted 598 ms, ran 545-655 ms on its three steps of trial, half the size's six visits)."""
+    fallback could win its trial only on a model wrong about it by more than that. Asked also
+    where the plan ran over its own prediction: its miss is taken as its own (its copies, or
+    its compute, slower than modelled), the fallback, which moves next to nothing, at its
+    prediction unscaled, the most it could gain. Measured (the emulated-link benchmark's 8-block
+    Llama at 75%, 512 tokens: every block kept, 24 MB copied, ran 512-561 ms against 545
+    predicted; its fallback, four blocks full, predicted 598 ms, ran 545-655 ms on its three
+    steps of trial, half the size's six visits; and four blocks whose recompute sleeps 40 ms,
+    all kept on a 1 GB/s emulated link: 100-118 ms against 102 predicted, and where two slow
+    steps of three read 115 ms, over the prediction by 13%, all full, predicted 221-231 ms, ran
+    its trial at 221-238 ms: 2 runs in 30 before this rule, three steps at 2.2x each)."""
     fb, own = hp.fallback, hp.predicted
     if fb is None or fb.predicted is None or own is None or own.total_seconds <= 0 \
             or not math.isfinite(pred):
