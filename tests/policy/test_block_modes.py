@@ -572,14 +572,21 @@ def test_a_mix_that_copies_is_checked_against_its_fallback_though_it_ran_as_pred
     assert tried == (copies > 0.1 * hp.predicted.total_seconds and fallback < 1.1), copies
 
 
-def test_a_mix_that_copies_and_ran_slow_is_tried_against_a_fallback_predicted_slower_still():
-    # Slower than its own prediction by more than 10%: its model is wrong about it, and the
-    # fallback's predicted 32% runs anyway.
+@pytest.mark.parametrize("fallback", [1.25, 1.5])
+def test_a_mix_that_ran_slow_is_tried_against_its_fallback_where_the_fallback_could_win(
+        fallback):
+    # Slower than its own prediction by 20%: its model is wrong about it. Its fallback, which
+    # moves nothing, runs next where predicted within the 10% a switch asks for of what the mix
+    # ran (1.25x its prediction, under 1.2 x 1.1); not where predicted clearly slower than that
+    # (1.5x): it would win only on a model wrong about it too, and its trial costs three steps.
+    # (The real clock's twin: test_mixes_are_ranked_by_what_they_ran_at_on_the_emulated_link.)
     modes, step, pred, hp = _scripted_modes()
     modes.bandwidth_fn = lambda: (1e13, 1e13)   # (its copies: nothing to the step)
+    hp = _fallback_predicted(modes, hp, fallback)
     step(3 * pred)
     step(1.2 * pred)
-    assert modes.plans[5].hybrid is hp.fallback
+    assert (modes.plans[5].hybrid is hp.fallback) == (fallback < 1.2 * 1.1)
+    assert bool(modes.trials.by_key) == (fallback < 1.2 * 1.1)
 
 
 @pytest.mark.parametrize("fallback", [1.05, 1.32])
