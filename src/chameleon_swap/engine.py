@@ -184,6 +184,7 @@ class Chameleon:
         self._ex.policy = self._policy
         self._runner = self._make_runner(model, blocks)
         self._prev_ids: Optional[list] = None
+        self._prev_size: Optional[tuple] = None     # (size key, ran lean) of the last step
         self._state_bytes = 0                     # device bytes allocated when a step began
         self._hooks = module_hooks.register(self, self._resident_only)
         # The list itself, not a copy: ``module_hooks.paused`` puts new handles in it.
