@@ -54,6 +54,7 @@ class StepStats:
     failed: bool = False               # the step ended with an exception
     # Adaptivity (profiler and plans).
     sequence_changed: bool = False     # differs from the previous step beyond the thresholds
+                                       # (a lean step, and the one after it: its size does)
     plan_source: str = "guard"         # "guard" | "planned" | "cache" | "replanned" (made
                                        # again after its predictions missed the steps)
     predicted_stall_seconds: Optional[float] = None   # the applied plan's prediction
