@@ -96,8 +96,8 @@ def steady_planning(monkeypatch, tick: float = 50e-6) -> None:
     and swap plans learn from the wall clock: the plans then depend on the bytes and the link
     alone. Each input switched off here has tests of its own on the real clock (the emulated
     link); a steady mock of the profiler's clock cannot make the steps' wall time steady."""
-    from chameleon_swap.policy import block_modes, checks, keep_views, mix_runs
     from chameleon_swap.copy import cpu as cpu_copy
+    from chameleon_swap.policy import block_modes, checks, keep_views, mix_runs
     from chameleon_swap.runtime import profiler
     ticks = iter(range(10**9))
     monkeypatch.setattr(profiler._CpuClock, "mark", lambda self: next(ticks) * tick)

@@ -343,8 +343,9 @@ class BlockModes(SizePlans):
                 self.stale.add(self.key)
             return
         pred, ran = self.predicted_seconds() or float("inf"), statistics.median(seen)
-        # Copies over MISS of the step on the link, or selective (one probe): checked though it
-        # ran as predicted; either, checked unless its model rules the fallback out (``outran``)
+        # Tried against its fallback where it ran over its prediction, or copies over MISS of
+        # the step on the link, or runs selective (one probe): those two though it ran as
+        # predicted; each, unless its model rules the fallback out (``outran``)
         p = plan.hybrid.predicted
         unsure = (p.moved_bytes / min(self.bandwidth_fn()) > MISS * p.total_seconds
                   or "selective" in plan.hybrid.modes)
