@@ -1112,6 +1112,46 @@ def test_a_first_step_timed_far_too_slow_steers_no_plan_after_the_next_timed_one
     assert 2 / 3 < statistics.median(off) < 1.5, [round(r, 2) for r in off]
 
 
+def test_a_first_step_whose_slots_read_gaps_its_blocks_did_not_skews_no_ratio(monkeypatch):
+    # The real clock, on the emulated link (the scripted side: test_keep_views' thaw and ratio
+    # tests; a steady clock counts marks, and a block run full takes fewer). On an H100 (HF
+    # Llama 4096x8, 50%) the planner held every full recompute at 16x its forward (the clamp)
+    # and selective's at 12.6x, where the steps' recomputes ran at about their forward's time;
+    # 12k and 16k kept every block for good (1.38x the plain step, selective 1.12x). Their view
+    # was the first step's, cold, thawed by its slots' factor: where the first step's slow time
+    # falls in slots outside its blocks (timed apart), that factor shrinks the blocks alike.
+    # Here the first keep view's first fifth of forward slots reads 100x as it is learnt, its
+    # blocks as they ran: the views' blocks keep their times, and the ratios those of the
+    # recomputes against them (before the fix: blocks at a twentieth of their first view's,
+    # full's ratio 15-16 and selective's 12.6-114, the H100's figures).
+    from chameleon_swap.policy import keep_views
+    learn, first = keep_views.learn, []
+
+    def gaps_first(profile, *args, **kwargs):
+        if not first:
+            first.append(profile)
+            cut = max(1, profile.n_forward // 5)
+            profile.compute = [c * 100 if s < cut else c for s, c in enumerate(profile.compute)]
+        return learn(profile, *args, **kwargs)
+    monkeypatch.setattr(keep_views, "learn", gaps_first)
+    model = tiny_llama(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=256)
+    blocks, ratios = [], []
+
+    def between(eng):
+        m = eng._policy.modes
+        ratios.append((m.full_seconds_ratio, m.sel_seconds_ratio))
+        v = m.views.get(m.key) or m._view_near(m.input_bytes)
+        blocks.append(v and not v.cold and sum(b.forward_seconds for b in v.blocks)
+                      * m.input_bytes / v.input_bytes)
+    compare(model, lm_batches(model, [128, 256, 192] * 3, B=4), 0.5, model_kwarg=True,
+            between=between, emulate_link="130MB/s")
+    warm = [b for b in blocks if b]
+    assert first and warm and max(warm) < 4 * min(warm), blocks   # none shrank 20x
+    full, sel = ratios[-1]
+    assert full is not None and 0.25 < full < 4, ratios
+    assert sel is None or sel < 4, ratios
+
+
 def test_a_step_slowed_by_pinning_steers_no_plan(monkeypatch):
     # The real clock, on the emulated link. On an H100 the first visit of a longer sequence
     # grew the host arena, pinning for 2-16 s of a 0.5 s step (pinning holds up the step's

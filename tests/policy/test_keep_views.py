@@ -154,6 +154,44 @@ def test_thaw_corrects_every_cold_view_by_the_nearest_ones_factors_unclamped():
     assert keep_views.scaled(replace(view(), cold=True), 2.0, 200).cold   # scaling keeps it
 
 
+def test_thaw_gives_the_blocks_their_own_factor_where_the_slots_read_gaps_outside_them():
+    # On an H100 (HF Llama 4096x8, 50%) the first step's slots read its forward many times
+    # over where its blocks, timed apart, did not; scaled by the slots' factor, the blocks read
+    # a sixteenth of their forward or less, and every recompute measured against them 16x. Here
+    # a cold view's first forward slot reads 60 s of a 3 s forward, its block 1.5 s as it runs.
+    cold = {1: replace(view(fwd=(60.0, 1.0, 1.0)), cold=True)}
+    assert keep_views.thaw(cold, (3.0, 6.0), 100, forwards={0: 1.5})
+    assert sums(cold[1]) == pytest.approx((3.0, 6.0))               # the slots, as before
+    assert cold[1].blocks[0].forward_seconds == pytest.approx(1.5)  # the block: its own
+    # Without the step's own forwards, or with factors within SPLIT_TRUSTED of each other (on
+    # the CPU a checkpointed forward runs about 0.7x a kept one), the slots' factor stands.
+    cold = {1: replace(view(fwd=(60.0, 1.0, 1.0)), cold=True)}
+    assert keep_views.thaw(cold, (3.0, 6.0), 100)
+    assert cold[1].blocks[0].forward_seconds == pytest.approx(1.5 * 3 / 62)
+    cold = {1: replace(view(), cold=True), 2: replace(view(input_bytes=200), cold=True)}
+    assert keep_views.thaw(cold, (3.0, 6.0), 100, forwards={0: 1.05})
+    assert [v.blocks[0].forward_seconds for v in cold.values()] == pytest.approx([1.5, 1.5])
+    # A factor far off applies to every cold view alike, as the slots' does.
+    cold = {1: replace(view(fwd=(60.0, 1.0, 1.0)), cold=True),
+            2: replace(view(fwd=(60.0, 1.0, 1.0), input_bytes=200), cold=True)}
+    assert keep_views.thaw(cold, (3.0, 6.0), 100, forwards={0: 0.75, 7: 9.0})   # (7: none)
+    assert [v.blocks[0].forward_seconds for v in cold.values()] == pytest.approx([0.75, 0.75])
+
+
+def test_a_ratio_reads_a_block_s_forward_at_no_less_than_half_the_step_s_own_timing():
+    # A view whose block reads 10 ms, where the step timed its forward at 1 s and its recompute
+    # at 0.9 s: against the view alone the recompute reads 90x (clamped to 16); against the
+    # floor, 1.8x. A view that reads above the floor stands (the CPU's kept forward, with hooks).
+    calls = [SimpleNamespace(block=0, mode="full", recompute_seconds=0.9)]
+    tiny = KeepView(view().profile, [Block(0, 2, 0.01, 100)], [0], 100)
+    assert keep_views.full_ratio(tiny, calls, 100) == keep_views.FULL_RATIO_CLAMP[1]
+    assert keep_views.full_ratio(tiny, calls, 100, {0: 1.0}) == pytest.approx(1.8)
+    assert keep_views.full_ratio(view(), calls, 100, {0: 1.0}) == pytest.approx(0.6)
+    probe = SimpleNamespace(block=0, mode="selective", recompute_seconds=0.2, selective_bytes=50)
+    assert keep_views.selective_ratios(tiny, probe, 100)[1] == pytest.approx(20)
+    assert keep_views.selective_ratios(tiny, probe, 100, {0: 1.0})[1] == pytest.approx(0.4)
+
+
 def test_spans_that_copy_a_parameter_keep_their_size_when_scaled():
     v = keep_views.scaled(view(), 1.0, 100)                 # (a view with no fixed spans)
     assert [sp.nbytes for sp in keep_views.scaled(v, 2.0, 200).profile.spans] == [80, 120]

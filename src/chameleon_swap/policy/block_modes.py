@@ -285,12 +285,13 @@ class BlockModes(SizePlans):
     def _learn(self, profile, calls: list, kept: bool) -> None:
         """What a step not slowed by pinning teaches: its mix's time, its view, the ratios."""
         self._learn_run(profile, calls)
+        own = keep_views.own_forwards(profile, calls) if profile.detailed else {}
         if kept:
             self._learn_view(profile, calls)
             self._warmed(sum(self.visits.values()) > 1)
-            self._thaw(self.warm and keep_views.timed_compute(profile, calls))
+            self._thaw(self.warm and keep_views.timed_compute(profile, calls), own)
         elif profile.detailed:
-            self._thaw(timed := keep_views.timed_compute(profile, calls))
+            self._thaw(timed := keep_views.timed_compute(profile, calls), own)
             view = self.views.get(self.key) or self._view_near(self.input_bytes)
             now = timed and keep_views.settled(self.timed.setdefault(self.key, []), timed)
             better = view and now and keep_views.corrected(view, now, self.input_bytes,
@@ -302,12 +303,12 @@ class BlockModes(SizePlans):
                 if self.key in self.plans and self.plans[self.key].key == self.key:
                     self.stale.add(self.key)             # planned again below
         if self.probing is not None:
-            self._learn_selective(calls)
-        self._learn_full(calls)
+            self._learn_selective(calls, own)
+        self._learn_full(calls, own)
 
-    def _thaw(self, timed) -> None:
+    def _thaw(self, timed, own: dict) -> None:
         """First-step views corrected (``keep_views.thaw``), every size planned again, free."""
-        if not (timed and keep_views.thaw(self.views, timed, self.input_bytes)):
+        if not (timed and keep_views.thaw(self.views, timed, self.input_bytes, own)):
             return
         here, self.warm = self.input_bytes, True
         sizes = {key: plan.input_bytes for key, plan in self.plans.items()}
@@ -365,20 +366,21 @@ class BlockModes(SizePlans):
         self.views[self.key] = keep_views.learn(profile, calls, d2h, h2d, self.eligible,
                                                 self.input_bytes, cold, self.views.param_shapes)
 
-    def _learn_full(self, calls: list) -> None:
+    def _learn_full(self, calls: list, own: Optional[dict] = None) -> None:
         """``keep_views.full_ratio``, the median of the last ``FULL_RATIOS_KEPT`` steps', for
         later plans (no key planned again: that made a 12-step demo plan on most steps). The
         median: one step's spike (a recompute that a busy machine slowed) moves it not at all,
         where a running mean took half of it; a recompute slow on every step moves it in three."""
-        r = keep_views.full_ratio(self._view_near(self.input_bytes), calls, self.input_bytes)
+        r = keep_views.full_ratio(self._view_near(self.input_bytes), calls, self.input_bytes,
+                                  own)
         if r:
             self._full_ratios = (self._full_ratios + [r])[-FULL_RATIOS_KEPT:]
             self.full_seconds_ratio = statistics.median(self._full_ratios)
 
-    def _learn_selective(self, calls: list) -> None:
+    def _learn_selective(self, calls: list, own: dict) -> None:
         b, view = self.probing, self._view_near(self.input_bytes)
         self._probe, self._probed = None, True
         call = next((c for c in calls if c.block == b and c.mode == "selective"), None)
-        if got := call and keep_views.selective_ratios(view, call, self.input_bytes):
+        if got := call and keep_views.selective_ratios(view, call, self.input_bytes, own):
             self.sel_bytes_ratio, self.sel_seconds_ratio = got
             self.stale.update(self.plans)       # every key planned again, selective known

@@ -26,6 +26,15 @@ on the engine's first step are *cold*: the first timed step after it (another mi
 all-kept step) gives the factors by which the cold view it would plan from is off, forward and
 backward apart, unclamped, and every cold view is corrected by them (``thaw``): the first
 step's slowness is the step's, not its size's.
+
+Its blocks' forward times are timed apart from its slots (``block_compute``), and the first
+step's gaps need not fall in both alike: on an H100 (the same Llama at 50%) the cold view's
+slots read its forward many times over while its blocks did not, and scaled by the slots'
+factor the blocks came out at a sixteenth of their forward or less. Every recompute measured
+against them then read 16x its forward (the clamp), selective's 12.6x, and the size kept every
+block for the rest of the run: 1.38x the plain step where selective ran 1.12x. So where the
+blocks' own factor (the timed step's forward of the same blocks, ``forwards``) is more than
+``SPLIT_TRUSTED`` off the slots', the blocks take their own.
 """
 from __future__ import annotations
 
@@ -46,6 +55,11 @@ TIMED_KEPT = 3                      # timed steps per size whose median corrects
 # included, which recomputes nothing), and in a run of several the size recomputed for good.
 # A spike is the median's business (``BlockModes._learn_full``), not the bound's.
 FULL_RATIO_CLAMP = (0.25, 16.0)
+SPLIT_TRUSTED = 2.0     # a cold view's blocks scale as its slots do, unless their own factor is
+                        # this far off it either way (``thaw``); on the CPU a kept forward runs
+                        # 1.4x a checkpointed one (hooks), within it
+OWN_FORWARD_FLOOR = 0.5     # a ratio's denominator: a block's forward in its view is not
+                            # believed below this share of what the step itself timed it at
 
 
 @dataclass
@@ -171,11 +185,14 @@ def corrected(view: KeepView, measured: tuple[float, float], input_bytes: int,
     return scaled(view, f, input_bytes, seconds=(ff * f, fb * f))
 
 
-def thaw(views: dict, measured: tuple[float, float], input_bytes: int) -> bool:
+def thaw(views: dict, measured: tuple[float, float], input_bytes: int,
+         forwards: Optional[dict] = None) -> bool:
     """Correct every cold view in ``views`` (key -> view, changed in place) by the factors a
     warm timed step (``measured``: its forward and backward, ``timed_compute``, at
     ``input_bytes``) says the cold view nearest its size is off by (``off_by``, unclamped);
-    False when none is cold or the step cannot tell."""
+    False when none is cold or the step cannot tell. The views' blocks take the forward factor
+    too, unless the factor of their own (``forwards``: the step's ``own_forwards``; see
+    ``blocks_off_by``) is more than ``SPLIT_TRUSTED`` off it either way: then that one."""
     cold = [k for k, v in views.items() if v.cold]
     if not cold:
         return False
@@ -183,10 +200,30 @@ def thaw(views: dict, measured: tuple[float, float], input_bytes: int) -> bool:
     factors = off_by(near, measured, input_bytes)
     if factors is None:
         return False
+    own = blocks_off_by(near, forwards or {}, input_bytes)
+    trusted = own is None or 1 / SPLIT_TRUSTED <= factors[0] / own <= SPLIT_TRUSTED
     for k in cold:
         v = views[k]
-        views[k] = replace(scaled(v, 1.0, v.input_bytes, seconds=factors), cold=False)
+        views[k] = replace(scaled(v, 1.0, v.input_bytes, seconds=factors,
+                                  blocks=None if trusted else own), cold=False)
     return True
+
+
+def own_forwards(profile, calls: list) -> dict:
+    """Block id -> its forward in this timed step (``block_compute``), in whatever mode it ran
+    (a recomputed block's forward runs the same operations, without saving); blocks timed at
+    zero are left out."""
+    return {c.block: s for c in calls if (s := block_compute(profile, c)) > 0}
+
+
+def blocks_off_by(view: KeepView, forwards: dict, input_bytes: int) -> Optional[float]:
+    """A step's forward of the view's blocks (``forwards``, ``own_forwards``, at
+    ``input_bytes``) over the view's of the same blocks scaled to that size, as sums; None
+    where they share no block timed on both sides."""
+    f = input_bytes / max(1, view.input_bytes)
+    got = [(forwards[i], b.forward_seconds * f) for i, b in zip(view.block_ids, view.blocks)
+           if forwards.get(i, 0) > 0 and b.forward_seconds > 0]
+    return sum(m for m, _ in got) / sum(v for _, v in got) if got else None
 
 
 def settled(timed: list, new: tuple[float, float]) -> Optional[tuple[float, float]]:
@@ -205,11 +242,13 @@ def settled(timed: list, new: tuple[float, float]) -> Optional[tuple[float, floa
     return tuple(sorted(t[i] for t in timed)[len(timed) // 2] for i in (0, 1))
 
 
-def scaled(view: KeepView, f: float, input_bytes: int, seconds=None) -> KeepView:
+def scaled(view: KeepView, f: float, input_bytes: int, seconds=None,
+           blocks: Optional[float] = None) -> KeepView:
     """The keep view of another size: bytes and times in proportion (attention's quadratic part
     is not modelled; the guard covers the difference), but for the spans that copy a parameter
     (``KeepView.fixed``), which keep their size. ``seconds`` scales times alone (a compute
-    correction), default ``f``; a pair scales forward and backward apart.
+    correction), default ``f``; a pair scales forward and backward apart. ``blocks`` scales the
+    blocks' forward times instead of the forward's factor (``thaw``).
 
     Why the fixed spans: on an H100, HF Llama 4096x8 under bf16 autocast saved 18.6 GiB at 8k
     tokens and 33.9 GiB at 16k, 3.3 GiB of it (74 of 243 tensors) the weights' casts at both;
@@ -225,12 +264,14 @@ def scaled(view: KeepView, f: float, input_bytes: int, seconds=None) -> KeepView
     compute = tuple(c * (tf if s <= n else tb) for s, c in enumerate(p.compute))
     prof = replace(p, compute=compute, spans=spans,
                    reserve=tuple(int(r * f) for r in p.reserve))
-    blocks = [replace(b, forward_seconds=b.forward_seconds * tf,
-                      input_bytes=int(b.input_bytes * f)) for b in view.blocks]
-    return KeepView(prof, blocks, view.block_ids, input_bytes, view.cold, view.fixed, view.keys)
+    fb = tf if blocks is None else blocks
+    blks = [replace(b, forward_seconds=b.forward_seconds * fb,
+                    input_bytes=int(b.input_bytes * f)) for b in view.blocks]
+    return KeepView(prof, blks, view.block_ids, input_bytes, view.cold, view.fixed, view.keys)
 
 
-def full_ratio(view: Optional[KeepView], calls: list, input_bytes: int) -> Optional[float]:
+def full_ratio(view: Optional[KeepView], calls: list, input_bytes: int,
+               own: Optional[dict] = None) -> Optional[float]:
     """What this step's full recomputes took against the view's forward time of the same
     blocks (their sums, clamped; None without one). The view's forward carries the engine's
     saved-tensor hooks (one call per saved tensor), a recompute runs under checkpoint's
@@ -243,7 +284,10 @@ def full_ratio(view: Optional[KeepView], calls: list, input_bytes: int) -> Optio
     view scaled from another size scales them alike), and one block's share read small makes
     its ratio large. On an H100 (HF Llama 4096x8, 25%) the mean sat at the 2.0 clamp over 18
     steps while the recomputes summed to 1.1-1.2x the views' forwards, and the all-full mix was
-    predicted 0.43 s where it ran 0.32 s."""
+    predicted 0.43 s where it ran 0.32 s.
+
+    ``own``: the step's ``own_forwards``; a block's forward in the view is not believed below
+    ``OWN_FORWARD_FLOOR`` of it (``_believed``)."""
     if view is None or view.cold:
         return None
     scale = input_bytes / max(1, view.input_bytes)
@@ -251,7 +295,8 @@ def full_ratio(view: Optional[KeepView], calls: list, input_bytes: int) -> Optio
     for c in calls:
         if c.mode != "full" or not c.recompute_seconds or c.block not in view.block_ids:
             continue
-        f = view.blocks[view.block_ids.index(c.block)].forward_seconds * scale
+        f = _believed(view.blocks[view.block_ids.index(c.block)].forward_seconds * scale,
+                      c.block, own)
         if f > 0:
             rec, fwd = rec + c.recompute_seconds, fwd + f
     if not fwd:
@@ -259,19 +304,29 @@ def full_ratio(view: Optional[KeepView], calls: list, input_bytes: int) -> Optio
     return min(FULL_RATIO_CLAMP[1], max(FULL_RATIO_CLAMP[0], rec / fwd))
 
 
-def selective_ratios(view: Optional[KeepView], call, input_bytes: int) -> Optional[tuple]:
+def selective_ratios(view: Optional[KeepView], call, input_bytes: int,
+                     own: Optional[dict] = None) -> Optional[tuple]:
     """(bytes, seconds) of a block's selective recompute (``call``, run selective once)
-    against what the view says it saves kept and takes forward; None if it cannot tell (no
-    view, or a cold one)."""
+    against what the view says it saves kept and takes forward (``own``: as ``full_ratio``'s);
+    None if it cannot tell (no view, or a cold one)."""
     if view is None or view.cold or call.block not in view.block_ids or not call.recompute_seconds:
         return None
     blk = view.blocks[view.block_ids.index(call.block)]
     scale = input_bytes / max(1, view.input_bytes)
     kept = working_set(view.profile, blk) * scale
-    fwd = blk.forward_seconds * scale
+    fwd = _believed(blk.forward_seconds * scale, call.block, own)
     if kept <= 0 or fwd <= 0:
         return None
     return call.selective_bytes / kept, call.recompute_seconds / fwd
+
+
+def _believed(forward: float, block: int, own: Optional[dict]) -> float:
+    """A view's forward of ``block`` (scaled to the step), raised to ``OWN_FORWARD_FLOOR`` of
+    the step's own timing of it where that is more: a recompute repeats the forward its step
+    timed, and a view whose blocks read a sixteenth of it (a cold view's, see the module's
+    docstring) made every recompute look 16x its forward. On the CPU the view's kept forward
+    reads above the checkpointed one (hooks), and the floor stays below it."""
+    return max(forward, OWN_FORWARD_FLOOR * (own or {}).get(block, 0.0))
 
 
 def with_ratios(prof: Profile, blk: Block, sel_bytes: Optional[float],
