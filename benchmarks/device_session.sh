@@ -8,11 +8,14 @@
 #
 # A lease is 15 minutes of device time, the machine's start (about a minute) included, and ten
 # minutes a command; the machine stays warm 30 s after a command. Two commands fit: the default
-# parts (hybrid and tests, limits 340 + 160 s), then the demo and the capped schedule (120 + 150 s)
+# parts (hybrid and tests, limits 340 + 200 s), then the demo and the capped schedule (120 + 150 s)
 # on the still-warm machine. Measured on an H100 (2026-11-26, fourth lease): the hybrid's three
 # budgets took over 280 s (cut at step 243 of 270; 270 s on the third lease), the CUDA tests 134 s,
 # the demo 95 s; the capped schedule ran its 42 steps within 100 s and its engine's close
-# outlasted that limit.
+# outlasted that limit. On the sixth lease (2026-11-27, 7f39574) the hybrid ran all 270 steps in
+# 330 s and the engines' close outlasted the limit before the 75% budget was written (it is
+# written before the close now); the CUDA tests reached 93% in 150 s (now 200). A failed test's
+# report is written to $OUT/failures.txt as it fails (tests/conftest.py), not only at the end.
 #
 # 1. the machine and its link (`chameleon-swap info`);
 # 2. benchmarks/hybrid.py --device cuda: HF Llama 4096x8, lengths 8k/16k/12k, none, full and
@@ -42,6 +45,7 @@ OUT=${OUT:-out/device}
 WORK=$(mktemp -d)              # the raw results, tarred into $OUT after each part
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export CHAMELEON_TEST_FAILURES="$OUT/failures.txt"   # each failed test's report, as it fails
 stamp() { echo "== $(date -u +%H:%M:%S) $*"; }
 # results.tgz is written again after each part, so a lease that ends mid-run (the command killed at
 # its limit) still brings back the results of the parts that finished.
@@ -77,7 +81,7 @@ fi
 if want tests; then
 stamp "tests" >"$OUT/tests.log"
 if [ "${CSAN:-0}" = 1 ]; then export TORCH_CUDA_SANITIZER=1; fi
-timeout "${TESTS_S:-160}" python3 -m pytest -p no:cacheprovider -rf -v --durations=10 \
+timeout "${TESTS_S:-200}" python3 -m pytest -p no:cacheprovider -rf -v --durations=10 \
     -m cuda -k "not sanitizer" tests >>"$OUT/tests.log" 2>&1
 echo "exit $?" >>"$OUT/tests.log"
 pack

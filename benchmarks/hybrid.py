@@ -255,8 +255,6 @@ def main(argv=None) -> int:
             if device.type != "cuda":
                 for m in modes:
                     rec[m]["peaks"].append(metered_peak(lambda: run(m, engines, longest), device))
-            for e in engines.values():
-                e.close()
             results[tag] = summarize(rec, modes, engines, budget)
             # Each budget's results as it ends: a run stopped early (a short lease, a crash)
             # keeps the budgets it finished, in the file and in the log.
@@ -265,6 +263,11 @@ def main(argv=None) -> int:
                                                    if r.get("block_modes") else "")
                 for m, r in results[tag].items()), flush=True)
             path, payload = save(a, cfg, device, lengths, natural, losses_equal, results)
+            # Closed after the budget is written: on an H100 the engines' close (their pinned
+            # host memory given back) outlasted a lease's limit after the 75% budget's last
+            # step, and that budget's results were lost.
+            for e in engines.values():
+                e.close()
     env = payload["environment"]
     md = markdown(payload)
     if C.have_matplotlib():

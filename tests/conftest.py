@@ -33,3 +33,14 @@ def plans_land_by_the_next_step(monkeypatch):
                 s.cond.wait()
         return True
     monkeypatch.setattr(background.Worker, "ready", ready)
+
+
+def pytest_runtest_logreport(report):
+    """With ``CHAMELEON_TEST_FAILURES=FILE``, each failure's report is appended to FILE as it
+    happens: on a GPU lease the tests run under a time limit, and pytest prints its tracebacks
+    only at the end (an H100 run cut at 93% kept the name of a failed test and nothing else)."""
+    import os
+    path = os.environ.get("CHAMELEON_TEST_FAILURES")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")

@@ -175,6 +175,11 @@ def run_choice(device: torch.device, steps: int,
                                     moved=s.offloaded_bytes, planning=s.planning_seconds,
                                     beside=s.background_planning_seconds,
                                     step_s=s.step_seconds, predicted=s.predicted_step_seconds)
+                    # The recompute ratios the mode planner holds after the step (model=): on
+                    # an H100 a corrupted one made a size keep every block for good.
+                    bm = getattr(eng._policy, "modes", None)
+                    row[leg].update(full_ratio=getattr(bm, "full_seconds_ratio", None),
+                                    sel_ratio=getattr(bm, "sel_seconds_ratio", None))
                 opts[leg].step()
                 opts[leg].zero_grad(set_to_none=True)
                 losses[leg] = loss.detach()
