@@ -286,6 +286,11 @@ class Chameleon:
         bw = cached_bandwidth(self.device)
         return bw.d2h_bytes_per_s, bw.h2d_bytes_per_s
 
+    def _unsaved_bytes(self) -> int:
+        """What the step's recomputed blocks have not saved so far (``BlockModes.unsaved``)."""
+        modes = getattr(self._policy, "modes", None)
+        return modes.unsaved() if modes is not None else 0
+
     def _block_mode(self, b: int) -> str:
         mode = self._policy.block_mode(b, self._runner.input_bytes)
         if self._lean_ok and self._policy.modes.lean and not self._lean_step:

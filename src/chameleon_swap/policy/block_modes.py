@@ -113,6 +113,9 @@ class BlockModes(SizePlans):
     def ahead(self) -> int:     # room copies back must leave: the largest recompute to come
         return max(self.pending.values(), default=0)
 
+    def unsaved(self) -> int:   # in forward: what the recomputed blocks so far did not save,
+        return sum(self.pending.values())       # beside their inputs (a step's size counts it)
+
     def mode(self, b: int, input_bytes: int) -> str:
         if self.budget is None:
             return "keep"

@@ -178,7 +178,14 @@ class DeviceMemoryBudget:
 
     def on_progress(self, saved_bytes: int) -> Optional[int]:
         """A module is about to run in forward, ``saved_bytes`` having been saved so far this
-        step: the lowered budget when the step turns out larger than assumed, else None."""
+        step: the lowered budget when the step turns out larger than assumed, else None.
+
+        ``saved_bytes`` counts what the step's recomputed blocks so far did not save (beside
+        their inputs), as its size at ``end_step`` does: read against a previous step's, saves
+        alone were another measure. On an H100 (HF Llama 4096x8 under a 31 GiB cap) a kept step
+        after one whose blocks recomputed read as several times its size, and its budget was
+        lowered to 0: it moved all it saved (8k tokens: 19.7 GB, 1.6 s where the plain step
+        took 0.23 s)."""
         k = len(self._prefix)
         self._prefix.append(saved_bytes)
         size = max(self._size, saved_bytes)

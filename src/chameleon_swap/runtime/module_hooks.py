@@ -236,7 +236,8 @@ def _pre(eng, module: torch.nn.Module) -> None:
     ex.protect_buffers(module)
     eng._module_starts.append(ex.next_index)
     if eng._memory is not None:
-        lowered = eng._memory.on_progress(ex.stats.saved_bytes)
+        # (the step's size so far: what recomputed blocks did not save counts, as at its end)
+        lowered = eng._memory.on_progress(ex.stats.saved_bytes + eng._unsaved_bytes())
         if lowered is not None:
             ex.budget = lowered       # the step is larger than assumed: hold more off the device
     eng._profiler.module_enter(module)
