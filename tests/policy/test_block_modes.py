@@ -1142,7 +1142,7 @@ def test_a_first_step_whose_slots_read_gaps_its_blocks_did_not_skews_no_ratio(mo
         ratios.append((m.full_seconds_ratio, m.sel_seconds_ratio))
         v = m.views.get(m.key) or m._view_near(m.input_bytes)
         blocks.append(v and not v.cold and sum(b.forward_seconds for b in v.blocks)
-                      * m.input_bytes / v.input_bytes)
+                      / v.input_bytes)          # (per byte of its size: sizes compare)
     compare(model, lm_batches(model, [128, 256, 192] * 3, B=4), 0.5, model_kwarg=True,
             between=between, emulate_link="130MB/s")
     warm = [b for b in blocks if b]

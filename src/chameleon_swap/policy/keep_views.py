@@ -28,13 +28,15 @@ backward apart, unclamped, and every cold view is corrected by them (``thaw``): 
 step's slowness is the step's, not its size's.
 
 Its blocks' forward times are timed apart from its slots (``block_compute``), and the first
-step's gaps need not fall in both alike: on an H100 (the same Llama at 50%) the cold view's
-slots read its forward many times over while its blocks did not, and scaled by the slots'
-factor the blocks came out at a sixteenth of their forward or less. Every recompute measured
-against them then read 16x its forward (the clamp), selective's 12.6x, and the size kept every
-block for the rest of the run: 1.38x the plain step where selective ran 1.12x. So where the
-blocks' own factor (the timed step's forward of the same blocks, ``forwards``) is more than
-``SPLIT_TRUSTED`` off the slots', the blocks take their own.
+step's slow time need not fall in both alike: where it falls in slots outside the blocks, the
+slots' factor shrinks the blocks by as much. On an H100 (the same Llama at 50%) every recompute
+measured against a thawed first-step view read 16x its forward (the clamp) and selective's
+12.6x, where the recomputes ran at about their forward's time, and the size kept every block for
+the rest of the run: 1.38x the plain step where selective ran 1.12x. A first view whose first
+fifth of forward slots read 100x reproduces both figures on the CPU (that run kept no trace to
+tell the H100's own skew). So where the blocks' own factor (the timed step's forward of the
+same blocks, ``forwards``) is more than ``SPLIT_TRUSTED`` off the slots', the blocks take their
+own.
 """
 from __future__ import annotations
 
