@@ -388,9 +388,16 @@ def learnt_ratios(engine) -> dict:
     forward, where the steps ran it at about once)."""
     bm = getattr(engine._policy, "modes", None)
     st = engine.last_step
+    # The blocks' forward times in the keep view the step's size plans from (scaled to its
+    # size), which the ratios are measured against: an H100 run's ratios read 16x where a skewed
+    # first view was the one cause found, and that run kept nothing to tell.
+    view = bm and bm.key is not None and bm._view_near(bm.input_bytes)
+    blocks = view and [round(b.forward_seconds * bm.input_bytes / max(1, view.input_bytes), 6)
+                       for b in view.blocks]
     return {"full_ratio": getattr(bm, "full_seconds_ratio", None),
             "sel_ratio": getattr(bm, "sel_seconds_ratio", None),
-            "recompute_s": st.recompute_seconds, "stall_s": st.stall_seconds}
+            "recompute_s": st.recompute_seconds, "stall_s": st.stall_seconds,
+            "view_block_forward_s": blocks or None}
 
 
 def planning_seconds(engine) -> Optional[float]:

@@ -98,7 +98,13 @@ def test_hybrid_records_the_planning_each_engine_step_did(script):
             train_step(m, batch, hyb)
             rows.append(h.prediction_row(32, hyb.last_step, 0.1, h.planning_seconds(hyb) - before))
         state = h.planner_state(hyb)
+        train_step(m, batch, swap)
+        learnt, none = h.learnt_ratios(hyb), h.learnt_ratios(swap)
     assert all(r["plan_s"] >= 0 for r in rows) and rows[0]["plan_s"] > 0    # its first plan
+    # The view's blocks the ratios are measured against, per step (none without model=).
+    assert len(learnt["view_block_forward_s"]) == 2, learnt
+    assert all(f > 0 for f in learnt["view_block_forward_s"]), learnt
+    assert none["view_block_forward_s"] is None and none["full_ratio"] is None
     assert state["planning_s"] == pytest.approx(sum(r["plan_s"] for r in rows))
     assert state["trained_s"] > 0
 
