@@ -54,26 +54,31 @@ def recompute_fits(tokens: int) -> bool:
 
 
 def run_step(mem: DeviceMemoryBudget, tokens: int, *, extra_transient: int = 0,
-             progress: bool = True) -> dict:
+             progress: bool = True, saves: float = 1.0, unsaved: bool = True) -> dict:
     """One synthetic step; returns its budgets and report. The transient peak comes after
     forward, with whatever budget is in force then, and the engine holds resident activations
-    to that budget (the guard copies out the rest)."""
+    to that budget (the guard copies out the rest). ``saves``: the share of each layer's
+    activations it saves, the rest recomputed; its progress counts what it did not save where
+    ``unsaved`` (as the engine's does, ``BlockModes.unsaved``), and its size counts it."""
     start_budget = budget = mem.begin_step(STATE)
-    done = 0
+    done = skipped = 0
     for _ in range(1 + LAYERS + 1):            # embedding, the layers, the head
         if progress:
-            lowered = mem.on_progress(done)
+            lowered = mem.on_progress(done + (skipped if unsaved else 0))
             if lowered is not None:
                 assert lowered < budget            # only ever lowered within a step
                 budget = lowered
         if 0 < _ <= LAYERS:
-            done += LAYER_PER_TOKEN * tokens
+            kept = int(LAYER_PER_TOKEN * tokens * saves)
+            done += kept
+            skipped += LAYER_PER_TOKEN * tokens - kept
     done += LOGITS_PER_TOKEN * tokens
-    assert done == saved(tokens)
+    assert done + skipped == saved(tokens)
     resident = min(done, budget)
     need = transient(tokens) + extra_transient
     report = mem.end_step(saved_bytes=done, peak_allocated=STATE + resident + need,
-                          allocated_at_start=STATE, peak_resident=resident)
+                          allocated_at_start=STATE, peak_resident=resident,
+                          recomputed_bytes=skipped)
     return dict(start=start_budget, final=budget, report=report, transient=need)
 
 
@@ -247,24 +252,12 @@ def test_a_kept_step_after_one_that_recomputed_is_not_read_as_many_times_its_siz
     # every kept step after a recomputing one had its budget lowered to 0 in forward and moved
     # all it saved (8k tokens: 19.7 GB, 1.6 s where the plain step took 0.23 s). The engine
     # gives its progress with what recomputed blocks did not save (``BlockModes.unsaved``).
-    def recomputing(mem, tokens, unsaved=True):
-        mem.begin_step(STATE)
-        done = skipped = 0
-        for i in range(1 + LAYERS + 1):
-            mem.on_progress(done + (skipped if unsaved else 0))
-            if 0 < i <= LAYERS:
-                done += LAYER_PER_TOKEN * tokens // 5
-                skipped += LAYER_PER_TOKEN * tokens - LAYER_PER_TOKEN * tokens // 5
-        done += LOGITS_PER_TOKEN * tokens
-        mem.end_step(saved_bytes=done, recomputed_bytes=saved(tokens) - done,
-                     peak_allocated=STATE + done + transient(tokens), allocated_at_start=STATE,
-                     peak_resident=done)
     headroom = CAP - STATE
     for unsaved in (True, False):
         mem = DeviceMemoryBudget(CAP)
         for tokens in (4096, 16384):
             run_step(mem, tokens)
-        recomputing(mem, 16384, unsaved)
+        run_step(mem, 16384, saves=0.2, unsaved=unsaved)
         r = run_step(mem, 8192)
         assert r["final"] + r["transient"] <= headroom, r      # the cap holds either way
         if unsaved:
@@ -275,17 +268,9 @@ def test_a_kept_step_after_one_that_recomputed_is_not_read_as_many_times_its_siz
     mem = DeviceMemoryBudget(CAP)
     for tokens in (4096, 16384, 8192):
         run_step(mem, tokens)
-    recomputing(mem, 8192)
-    start = mem.begin_step(STATE)
-    done = skipped = 0
-    lowered = []
-    for i in range(1 + LAYERS + 1):
-        lowered.append(mem.on_progress(done + skipped))
-        if 0 < i <= LAYERS:
-            done += LAYER_PER_TOKEN * 16384 // 5
-            skipped += LAYER_PER_TOKEN * 16384 - LAYER_PER_TOKEN * 16384 // 5
-    least = min(x for x in lowered + [start] if x is not None)
-    assert least < start and least + transient(16384) <= headroom, (start, lowered)
+    run_step(mem, 8192, saves=0.2)
+    r = run_step(mem, 16384, saves=0.2)
+    assert r["final"] < r["start"] and r["final"] + transient(16384) <= headroom, r
 
 
 def test_steps_without_a_miss_relax_the_safety_factor_back():
@@ -331,15 +316,28 @@ def test_bad_arguments_name_themselves(kwargs, name):
 
 
 # --------------------------------------------------------------------------- the engine's wiring
+def _stand_in_cuda(monkeypatch, eng, peak) -> None:
+    """``device_memory_limit`` is CUDA-only: the CUDA allocator's figures the engine reads are
+    stood in for (nothing allocated at a step's start, ``peak()`` its peak, no fragmentation)
+    and ``eng`` is told its device is CUDA where it asks (set it back before closing)."""
+    import types
+    fake = types.SimpleNamespace(
+        memory_allocated=lambda d=None: 0, reset_peak_memory_stats=lambda d=None: None,
+        max_memory_allocated=lambda d=None: peak(),
+        memory_stats=lambda d=None: {"inactive_split_bytes.all.peak": 0},
+        current_stream=lambda d=None: types.SimpleNamespace(synchronize=lambda: None))
+    for name, fn in vars(fake).items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    monkeypatch.setattr(eng, "device", types.SimpleNamespace(type="cuda"))
+
+
 def test_the_engine_s_progress_counts_what_recomputed_blocks_did_not_save(monkeypatch,
                                                                           one_intra_op_thread):
     # The engine's side of the test above (a kept step after a recomputing one read as several
     # times its size on an H100): its progress in forward is what the step saved so far and
     # what its recomputed blocks did not (``BlockModes.unsaved``), the measure of a step's size
-    # at its end. CUDA's figures stood in for as in the next test; a budget that makes the
+    # at its end. CUDA's figures stood in for (``_stand_in_cuda``); a budget that makes the
     # mode plans recompute, and a limit that never binds.
-    import types
-
     from _models import lm_batches, tiny_llama
     model = tiny_llama(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=128)
     batches = lm_batches(model, [64, 128, 96] * 2, B=2)
@@ -352,14 +350,7 @@ def test_the_engine_s_progress_counts_what_recomputed_blocks_did_not_save(monkey
     monkeypatch.setattr(mem, "on_progress", lambda b: progress.append(b) or on_progress(b))
     monkeypatch.setattr(mem, "end_step", lambda **kw: ends.append(
         (max(progress), kw["saved_bytes"], kw["recomputed_bytes"])) or end_step(**kw))
-    fake = types.SimpleNamespace(
-        memory_allocated=lambda d=None: 0, reset_peak_memory_stats=lambda d=None: None,
-        max_memory_allocated=lambda d=None: eng._ex.stats.peak_resident_bytes,
-        memory_stats=lambda d=None: {"inactive_split_bytes.all.peak": 0},
-        current_stream=lambda d=None: types.SimpleNamespace(synchronize=lambda: None))
-    for name, fn in vars(fake).items():
-        monkeypatch.setattr(torch.cuda, name, fn)
-    monkeypatch.setattr(eng, "device", types.SimpleNamespace(type="cuda"))
+    _stand_in_cuda(monkeypatch, eng, lambda: eng._ex.stats.peak_resident_bytes)
     for b in batches:
         progress.clear()
         train_step(model, b, eng)
@@ -378,7 +369,6 @@ def test_engine_lowers_its_budget_in_forward_and_reports_it(monkeypatch, one_int
     is CUDA where it asks. Losses and gradients stay bitwise; a longer step after a shorter one
     is caught in forward."""
     import copy
-    import types
 
     torch.manual_seed(0)
     model = Llama(LlamaConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -389,15 +379,8 @@ def test_engine_lowers_its_budget_in_forward_and_reports_it(monkeypatch, one_int
     # budget and no limit can never move anything and takes hooks that cannot.
     eng = cs.Chameleon(2**40, device="cpu", min_tensor_bytes=0, policy="guard")
     eng._memory = DeviceMemoryBudget(3_000_000, min_margin_bytes=0)
-    fake = types.SimpleNamespace(
-        memory_allocated=lambda d=None: 0, reset_peak_memory_stats=lambda d=None: None,
-        max_memory_allocated=lambda d=None: (eng._ex.stats.peak_resident_bytes
-                                             + 20_000 * tokens["n"]),
-        memory_stats=lambda d=None: {"inactive_split_bytes.all.peak": 0},
-        current_stream=lambda d=None: types.SimpleNamespace(synchronize=lambda: None))
-    for name, fn in vars(fake).items():
-        monkeypatch.setattr(torch.cuda, name, fn)
-    monkeypatch.setattr(eng, "device", types.SimpleNamespace(type="cuda"))
+    _stand_in_cuda(monkeypatch, eng,
+                   lambda: eng._ex.stats.peak_resident_bytes + 20_000 * tokens["n"])
     history = []
     for T in (32, 16, 32, 8):
         tokens["n"] = 4 * T
