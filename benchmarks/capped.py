@@ -176,12 +176,13 @@ def timed_peak(device: torch.device, fn):
 def memory_row(s) -> dict:
     """How the cap's budget was derived for the step (None on the CPU, which takes a budget):
     the smallest budget in force, its predicted and measured transient, whether it missed, the
-    safety factor and the fragmentation kept free after it, its stalls and host waits. A run
-    whose budgets shrink can then say which part of the reserve grew."""
+    safety factor and the fragmentation kept free after it, its stalls, host waits and the host
+    memory it allocated (pinned inside the step on CUDA). A run whose budgets shrink can then
+    say which part of the reserve grew."""
     return {k: getattr(s, k, None) for k in (
         "min_budget_bytes", "predicted_transient_bytes", "transient_bytes", "memory_tightened",
         "memory_safety", "fragmentation_kept_bytes", "stall_seconds", "host_wait_seconds",
-        "peak_resident_bytes")}
+        "host_allocated_bytes", "peak_resident_bytes")}
 
 
 def summarize(a, cfg, device, natural: int, rows: list, equal: bool) -> dict:

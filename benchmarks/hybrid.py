@@ -397,6 +397,7 @@ def learnt_ratios(engine) -> dict:
     return {"full_ratio": getattr(bm, "full_seconds_ratio", None),
             "sel_ratio": getattr(bm, "sel_seconds_ratio", None),
             "recompute_s": st.recompute_seconds, "stall_s": st.stall_seconds,
+            "host_wait_s": st.host_wait_seconds, "host_allocated_bytes": st.host_allocated_bytes,
             "view_block_forward_s": blocks or None}
 
 

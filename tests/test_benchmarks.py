@@ -105,6 +105,7 @@ def test_hybrid_records_the_planning_each_engine_step_did(script):
     assert len(learnt["view_block_forward_s"]) == 2, learnt
     assert all(f > 0 for f in learnt["view_block_forward_s"]), learnt
     assert none["view_block_forward_s"] is None and none["full_ratio"] is None
+    assert learnt["host_wait_s"] >= 0 and learnt["host_allocated_bytes"] >= 0
     assert state["planning_s"] == pytest.approx(sum(r["plan_s"] for r in rows))
     assert state["trained_s"] > 0
 
@@ -171,6 +172,8 @@ def test_capped_runs_end_to_end_on_the_cpu_stand_in(script, tmp_path):
     assert set(p["ratio_vs_none"]) == set(c.MODES) and p["ratio_vs_none"]["none"] == 1.0
     assert all(r["capped"]["budget_bytes"] == int(p["natural_activation_peak_bytes"] * 0.25)
                for r in p["steps"])
+    # what a step pinned (allocated on the CPU): an H100 run's host waits had nothing to tell
+    assert all(r["capped"]["host_allocated_bytes"] >= 0 for r in p["steps"])
     assert (tmp_path / "capped-cpu.md").read_text().startswith("# capped schedule on")
 
 

@@ -706,3 +706,45 @@ def test_would_block_says_when_an_acquire_would_wait_and_changes_nothing(monkeyp
     late = HostPool(64 * MiB, pin=False, reserve_bytes=8 * MiB, alloc_delay_s_per_gib=32)
     assert late.would_block(MiB)                            # the reserve is still being made
     assert late.wait_reserve(timeout=30) and not late.would_block(MiB)
+
+
+def test_a_size_whose_tensors_outgrow_the_chunks_allocates_on_its_first_visit_only():
+    """Sizes alternate: one of many small tensors (which fills the arena's kept room with
+    chunk-sized slabs), one using less in all but with tensors larger than a chunk (which only
+    slabs allocated for them can hold). The second size allocates on its first visit and never again, and waits
+    for nothing after it: the step's end trims slabs too small for the largest recent request
+    first. Trimmed largest-first, its slabs went back at each of its steps' ends and every
+    visit allocated them again (on CUDA, pinning them inside the step)."""
+    pool = HostPool(2**30, pin=False, ahead=True, chunk_bytes=MiB,
+                    machine_memory=lambda: (None, None))
+    small, large = [256 * KiB] * 64, [64 * KiB] * 8 + [3 * MiB] * 2   # 16 MiB, 6.5 MiB
+    try:
+        allocated = []
+        for sizes in [small, small, large, small, large, small, large, large]:
+            before, waited = pool.allocations, pool.wait_seconds
+            held = [pool.acquire(n) for n in sizes]
+            assert_disjoint(held)
+            for b in held:
+                pool.release(b)
+            pool.end_step()
+            assert pool.wait_ahead(timeout=30)
+            allocated.append((sizes is large, pool.allocations - before,
+                              pool.wait_seconds > waited))
+        assert allocated[2][1] > 0                         # the large size's first visit
+        assert [a for a in allocated[3:] if a[0] and (a[1] or a[2])] == []
+        assert sorted(pool.slab_sizes) == pool.slab_sizes  # kept in size order
+        assert sum(n >= 3 * MiB for n in pool.slab_sizes) >= 2
+    finally:
+        pool.close()
+
+
+def test_a_request_takes_the_smallest_slab_it_fits_and_leaves_the_large_one_whole():
+    pool = HostPool(2**30, pin=False)
+    with pool._lock:                                 # slabs added oldest-largest (as ahead)
+        for size in (8 * MiB, MiB, 2 * MiB):
+            pool._add_locked(host_pool._Slab(size, False))
+    assert pool.slab_sizes == [MiB, 2 * MiB, 8 * MiB]
+    held = [pool.acquire(256 * KiB) for _ in range(4)] + [pool.acquire(512 * KiB)]
+    assert [b.slab.size for b in held] == [MiB] * 4 + [2 * MiB]
+    whole = pool.acquire(8 * MiB)                    # the large slab is still whole
+    assert whole.slab.size == 8 * MiB and pool.allocations == 3
