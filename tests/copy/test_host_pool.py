@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 import chameleon_swap as cs
 from chameleon_swap.copy import host_pool
-from chameleon_swap.copy.host_pool import (ALIGN, MIN_SLAB_BYTES, HostBuffer, HostMemoryError,
-                                           HostPool, align_up)
+from chameleon_swap.copy.host_pool import (ALIGN, HEADROOM_FRACTION, MIN_SLAB_BYTES, HostBuffer,
+                                           HostMemoryError, HostPool, align_up)
 from chameleon_swap.workloads import Llama, LlamaConfig
 
 from _helpers import assert_bitwise, grads, natural_peak, train_step
@@ -525,9 +525,9 @@ def test_end_step_keeps_headroom_over_recent_use_and_grows_it_off_the_step():
             pool.release(b)
         pool.end_step()
         assert pool.wait_ahead(timeout=30)
-        assert pool.reserved_bytes >= 48 * MiB                  # 1.5x what the step used
+        assert pool.reserved_bytes >= 32 * MiB * (1 + HEADROOM_FRACTION)   # over the step's use
         allocated, waited = pool.allocated_bytes, pool.wait_seconds
-        held = [pool.acquire(4 * MiB) for _ in range(11)]      # a larger step: 44 MiB
+        held = [pool.acquire(4 * MiB) for _ in range(10)]      # a larger step: 40 MiB
         assert pool.allocated_bytes == allocated and pool.wait_seconds == waited
         for b in held:
             pool.release(b)
@@ -535,7 +535,7 @@ def test_end_step_keeps_headroom_over_recent_use_and_grows_it_off_the_step():
             pool.end_step()
             pool.wait_ahead(timeout=30)
             n = pool.allocations
-            held = [pool.acquire(4 * MiB) for _ in range(11)]
+            held = [pool.acquire(4 * MiB) for _ in range(10)]
             for b in held:
                 pool.release(b)
             assert pool.allocations == n
@@ -559,13 +559,14 @@ class _Wide(torch.nn.Module):
 
 def test_with_a_slow_allocator_steps_after_the_first_wait_for_nothing_grown_ahead(monkeypatch):
     """Issue 19, item 1, through the engine, on a schedule that grows and shrinks (each new
-    size at most twice the most recent use). With the allocator slowed on purpose the first
+    size at most 1.2 times the most recent use: within ``HEADROOM_FRACTION``, 0.5, with room
+    for what slabs sized for other tensors waste). With the allocator slowed on purpose the first
     step waits (and says so in ``host_wait_seconds``); once the background thread has grown the
     arena ahead (``wait_ahead``: what the time between steps gives it), no later step allocates
     on its own thread or waits; every loss and gradient is bitwise the plain run's."""
     monkeypatch.setenv(host_pool.ALLOC_DELAY_ENV, "2")         # 2 s per GiB
     model = _Wide()
-    rows = [1024, 1536, 2048, 3072, 1024, 2048, 3072]
+    rows = [2048, 2432, 2880, 3456, 2048, 2880, 3456]
     batches = [randn_rows(n, seed=i) for i, n in enumerate(rows)]
     ref, test = copy.deepcopy(model), copy.deepcopy(model)
     with cs.Chameleon(0, device="cpu", policy="guard") as eng:
@@ -657,13 +658,14 @@ def test_growth_ahead_stops_short_of_the_machines_floor_and_a_step_still_gets_it
         held = [pool.acquire(16 * MiB) for _ in range(4)]      # 64 MiB in use
         for b in held:
             pool.release(b)
-        pool.end_step()                                         # asks for twice that: 128 MiB
+        pool.end_step()                                         # asks for 1.5x that: 96 MiB
         assert pool.wait_ahead(timeout=30)
-        assert pool.reserved_bytes <= 80 * MiB                  # the step's 64, a chunk at most
+        assert pool.reserved_bytes < 64 * MiB * (1 + HEADROOM_FRACTION)   # held at the floor
         free["bytes"] = 2**30                                   # room again: it grows ahead
         pool.end_step()
         assert pool.wait_ahead(timeout=30)
-        assert pool.reserved_bytes >= 128 * MiB and pool.ahead_bytes > 0
+        assert pool.reserved_bytes >= 64 * MiB * (1 + HEADROOM_FRACTION)
+        assert pool.ahead_bytes > 0
         free["bytes"] = 0                                       # none: a step's need still wins
         held = [pool.acquire(16 * MiB) for _ in range(12)]      # 192 MiB, past what grew ahead
         assert pool.in_use_bytes == 192 * MiB

@@ -347,7 +347,9 @@ def test_a_stalled_step_plans_from_its_compute_not_its_waits_on_the_emulated_lin
     assert all(w > b for w, b in zip(block_waits1[1:], blocks0[1:])), (block_waits1, blocks0)
     assert fwd1 < 1.6 * fwd0 and bwd1 < 1.6 * bwd0
     assert all(b1 < 2 * b0 for b0, b1 in zip(blocks0, blocks1)), (blocks0, blocks1)
-    assert blocks1[0] == pytest.approx(blocks0[0], rel=0.25)   # before any wait: the same
+    # Before any wait: the same, within this shared 2-core CPU's noise (medians of five read
+    # 1.29x once in a full suite; a wait counted as compute reads many times over).
+    assert blocks1[0] == pytest.approx(blocks0[0], rel=0.4)
 
 
 def test_an_arena_growing_in_the_step_is_a_wait_not_compute_nor_a_move(monkeypatch):

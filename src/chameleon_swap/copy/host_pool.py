@@ -15,7 +15,7 @@ transition would reach into another module's counters.)
   (``chameleon-swap-host-grow``) allocates slabs of at most ``chunk_bytes`` (``GROW_CHUNK_BYTES``,
   256 MiB, or the largest request seen if larger; at least four of the largest request, so a
   slab still fits tensors of a longer step) whenever the free room falls below
-  ``HEADROOM_FRACTION`` (1.0) of what is in use (or twice the largest request seen), and at each
+  ``HEADROOM_FRACTION`` (0.5) of what is in use (or twice the largest request seen), and at each
   step's end up to ``1 + HEADROOM_FRACTION`` times the most any of the last ``TRIM_WINDOW``
   steps used (which the trim then keeps). Measured on an H100 host (issue 19): a step that
   doubled its arena in one pinned allocation took 8.8-26 s where the plain step took 0.2-0.5 s,
@@ -42,7 +42,7 @@ transition would reach into another module's counters.)
   limit instead of stalling or crashing;
 * it does not keep memory that recent steps did not need: at each step's end, slabs with no
   buffer in use are handed back as long as the arena stays at least as large as the most host
-  memory in use during any of the last ``TRIM_WINDOW`` (32) steps (twice that with ``ahead``),
+  memory in use during any of the last ``TRIM_WINDOW`` (32) steps (1.5 times that with ``ahead``),
   and as ``host_memory_reserve``. Slabs too small for the largest request of those steps go
   back before the others, and a request takes the smallest slab that fits it: a size whose
   tensors are larger than a chunk keeps the slabs it had to allocate for them.
@@ -83,7 +83,14 @@ ALIGN = 4096                 # page size: every buffer starts on and spans whole
 MIN_SLAB_BYTES = 2**21       # the first slab: small arenas would otherwise grow in many steps
 TRIM_WINDOW = 32             # steps whose host use bounds the arena (see HostPool.end_step)
 GROW_CHUNK_BYTES = 2**28     # most one slab allocation takes (unless one request needs more)
-HEADROOM_FRACTION = 1.0      # free room kept ahead of use, as a fraction of the bytes in use
+# Free room kept ahead of use, as a fraction of the bytes in use. Pinning ahead is not free on
+# CUDA: on an H100 lease a first step's reading halved once pinning on its own thread was timed
+# as a wait, pinning on the background thread holding up the step's launches too (as a vLLM
+# thread reports of background cudaHostRegister, vllm-project/vllm#42632). Memory pinned
+# ahead that no step uses is then paid for in step time: at 1.0 the arena asked for twice the
+# capped schedule's 29.4 GiB first step, at about a second a GiB. Half is a guess between that
+# and pinning inside the next larger step, not measured on a GPU.
+HEADROOM_FRACTION = 0.5
 # Growth ahead of use is a guess: it never takes the machine's available RAM below this share of
 # its total. On an H200 host (126 GiB) two engines of one process each grew ahead to twice a
 # 25 GiB step's use, within their own limits (half the RAM each), and the kernel killed the
