@@ -612,7 +612,7 @@ class HostPool:
             # the rest, largest first: trimmed largest-first alone, the slabs a size of
             # larger tensors than any chunk had to allocate were the first to go at its
             # step's end, and each of its visits allocated them again (reproduced on the CPU
-            # with the testing delay; the likely cause of the 1.2-1.3 s host waits of every
+            # with the testing delay; a possible cause of the 1.2-1.3 s host waits of every
             # visit of a capped schedule's selective steps on the H100, not verified there).
             for slab in sorted((s for s in self._slabs if s.free_bytes == s.size),
                                key=lambda s: (s.size >= large, -s.size)):
