@@ -33,11 +33,16 @@
 #    strands in split segments, and on the H100 (2026-11-27, first run) the second pass ran on
 #    budgets of 2.2-5.5 GiB;
 # 7. benchmarks/lean.py --device cuda: lean steps against the executor's path at 75% (8k and 12k
-#    tokens of the same Llama, with and without model=; 140 steps, never run on a GPU yet).
+#    tokens of the same Llama, with and without model=; 140 steps, never run on a GPU yet);
+# 0. benchmarks/pinning.py --device cuda (run first when named; never run on a GPU yet, under a
+#    minute): how fast the host pins (torch's way and by registering touched memory), whether
+#    pinning on another thread holds up launches, and copies out to unpinned memory. What the
+#    host arena should do about its first steps' pinning, the largest cost left, turns on it.
 #
 # Everything lands in $OUT: one log per part and results.tgz holding the JSON, markdown and PNGs.
-# The limits (seconds) can be changed: HYBRID_S, DEMO_S, TESTS_S, CSAN_S, CAPPED_S, LEAN_S. PARTS
-# names the parts to run (default "hybrid tests"; the others: demo, csan, capped, lean). CSAN=1 runs every
+# The limits (seconds) can be changed: HYBRID_S, DEMO_S, TESTS_S, CSAN_S, CAPPED_S, LEAN_S,
+# PINNING_S. PARTS names the parts to run (default "hybrid tests"; the others: pinning, demo,
+# csan, capped, lean). CSAN=1 runs every
 # CUDA test under the sanitizer: on an H200 that ran two tests in 150 s, too slow for a lease,
 # hence part 5.
 set -u
@@ -61,6 +66,14 @@ pack() { tar czf "$OUT/results.tgz" -C "$WORK" . 2>/dev/null; }
 
 PARTS=${PARTS:-hybrid tests}
 want() { case " $PARTS " in *" $1 "*) return 0;; *) return 1;; esac; }
+
+if want pinning; then
+stamp "pinning" >"$OUT/pinning.log"
+timeout "${PINNING_S:-90}" python3 benchmarks/pinning.py --device cuda --out "$WORK/pinning" \
+    >>"$OUT/pinning.log" 2>&1
+echo "exit $?" >>"$OUT/pinning.log"
+pack
+fi
 
 if want hybrid; then
 stamp "hybrid" >"$OUT/hybrid.log"

@@ -202,3 +202,27 @@ def test_lean_on_the_cpu_compares_lean_steps_with_the_executors_path(script, tmp
         assert runs["64"][key] == {"whole": 3} and runs["96"][key] == {"tripped": 3}
     assert set(runs["64"]) == set(le.MODES) | {"lean steps", "lean steps, no model"}
     assert "| 64 | lean |" in (tmp_path / "lean-cpu.md").read_text()
+
+
+def test_pinning_on_cuda_plans_what_its_estimate_counts(script, fake_cuda):
+    p = script("pinning")
+    a = p.parse_args(["--device", "cuda"])
+    # 4 GiB in 16 chunks of 256 MiB, pinned three times a repeat (alloc, contention's pin and
+    # register), three repeats: the docstring's "under a minute" at about a GiB a second.
+    assert (a.chunks, a.chunk_bytes, a.repeats) == (16, 256 * 2**20, 3)
+    for bad in (["--gib", "0"], ["--chunk-mib", "0"], ["--repeats", "0"], ["--gib", "x"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--device", "cuda", *bad])
+
+
+def test_pinning_runs_end_to_end_on_the_cpu(script, tmp_path):
+    import json
+    p = script("pinning")
+    assert p.main(["--quick", "--out", str(tmp_path)]) == 0
+    got = json.loads((tmp_path / "pinning-cpu.json").read_text())
+    med = got["medians"]
+    assert med["alloc_s"] > 0 and med["free_s"] >= 0 and med["alone_s"] > 0
+    assert got["repeats"][0]["during_pin_loops"] >= 1          # the loop ran beside the thread
+    assert "register_s" not in med and "pinned_gbps" not in med  # CUDA only
+    assert got["seconds_per_gib"]["alloc_s_per_gib"] > 0
+    assert (tmp_path / "pinning-cpu.md").read_text().startswith("# pinning on")
