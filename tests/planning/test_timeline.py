@@ -359,8 +359,8 @@ def timelines(draw, max_slots=24, max_spans=30):
     return pr, Plan(move, fetch), budget
 
 
-@settings(max_examples=600, deadline=None)
-@given(timelines())
+@settings(max_examples=200, deadline=None)   # (600 took 16 s of the suite; the seeded corpus
+@given(timelines())                          # below adds 3000 cases in under 2 s)
 def test_split_simulate_equals_the_pre_split_reference(case):
     (new, new_curve, new_trace), (old, old_curve, old_trace) = both(*case)
     assert new == old
