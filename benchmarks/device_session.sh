@@ -67,64 +67,49 @@ pack() { tar czf "$OUT/results.tgz" -C "$WORK" . 2>/dev/null; }
 PARTS=${PARTS:-hybrid tests}
 want() { case " $PARTS " in *" $1 "*) return 0;; *) return 1;; esac; }
 
+# One part: COMMAND under its time limit, its command line, output and exit status in
+# $OUT/NAME.log, the results packed after it.
+part() {
+    local name=$1 limit=$2
+    shift 2
+    { stamp "$name"; echo "$*"; } >"$OUT/$name.log"
+    timeout "$limit" "$@" >>"$OUT/$name.log" 2>&1
+    echo "exit $?" >>"$OUT/$name.log"
+    pack
+}
+
 if want pinning; then
-stamp "pinning" >"$OUT/pinning.log"
-timeout "${PINNING_S:-90}" python3 benchmarks/pinning.py --device cuda --out "$WORK/pinning" \
-    >>"$OUT/pinning.log" 2>&1
-echo "exit $?" >>"$OUT/pinning.log"
-pack
+    part pinning "${PINNING_S:-90}" python3 benchmarks/pinning.py --device cuda \
+        --out "$WORK/pinning"
 fi
-
 if want hybrid; then
-stamp "hybrid" >"$OUT/hybrid.log"
-timeout "${HYBRID_S:-340}" python3 benchmarks/hybrid.py --device cuda --config 4096x8 \
-    --fractions "${HYBRID_FRACTIONS:-0.25,0.5,0.75}" --out "$WORK/hybrid" >>"$OUT/hybrid.log" 2>&1
-echo "exit $?" >>"$OUT/hybrid.log"
-pack
+    part hybrid "${HYBRID_S:-340}" python3 benchmarks/hybrid.py --device cuda --config 4096x8 \
+        --fractions "${HYBRID_FRACTIONS:-0.25,0.5,0.75}" --out "$WORK/hybrid"
 fi
-
 if want demo; then
-stamp "demo" >"$OUT/demo.log"
-timeout "${DEMO_S:-120}" python3 -m chameleon_swap demo --device cuda --steps 20 \
-    --out "$WORK/demo" >>"$OUT/demo.log" 2>&1
-echo "exit $?" >>"$OUT/demo.log"
-pack
+    part demo "${DEMO_S:-120}" python3 -m chameleon_swap demo --device cuda --steps 20 \
+        --out "$WORK/demo"
 fi
-
 if want tests; then
-stamp "tests" >"$OUT/tests.log"
-if [ "${CSAN:-0}" = 1 ]; then export TORCH_CUDA_SANITIZER=1; fi
-timeout "${TESTS_S:-200}" python3 -m pytest -p no:cacheprovider -rf -v --durations=10 \
-    -m cuda -k "not sanitizer" tests >>"$OUT/tests.log" 2>&1
-echo "exit $?" >>"$OUT/tests.log"
-pack
-unset TORCH_CUDA_SANITIZER
+    tests=(python3 -m pytest -p no:cacheprovider -rf -v --durations=10 -m cuda
+           -k "not sanitizer" tests)
+    if [ "${CSAN:-0}" = 1 ]; then
+        part tests "${TESTS_S:-200}" env TORCH_CUDA_SANITIZER=1 "${tests[@]}"
+    else
+        part tests "${TESTS_S:-200}" "${tests[@]}"
+    fi
 fi
-
 if want csan; then
-stamp "csan" >"$OUT/csan.log"
-timeout "${CSAN_S:-110}" python3 -m pytest -p no:cacheprovider -rf -v tests/test_cuda.py \
-    -k "sanitizer" >>"$OUT/csan.log" 2>&1
-echo "exit $?" >>"$OUT/csan.log"
-pack
+    part csan "${CSAN_S:-110}" python3 -m pytest -p no:cacheprovider -rf -v tests/test_cuda.py \
+        -k "sanitizer"
 fi
-
 if want capped; then
-stamp "capped" >"$OUT/capped.log"
-echo "PYTORCH_CUDA_ALLOC_CONF=${CAPPED_ALLOC_CONF-expandable_segments:True}" >>"$OUT/capped.log"
-PYTORCH_CUDA_ALLOC_CONF="${CAPPED_ALLOC_CONF-expandable_segments:True}" \
-    timeout "${CAPPED_S:-150}" python3 benchmarks/capped.py --device cuda --out "$WORK/capped" \
-    >>"$OUT/capped.log" 2>&1
-echo "exit $?" >>"$OUT/capped.log"
-pack
+    part capped "${CAPPED_S:-150}" \
+        env PYTORCH_CUDA_ALLOC_CONF="${CAPPED_ALLOC_CONF-expandable_segments:True}" \
+        python3 benchmarks/capped.py --device cuda --out "$WORK/capped"
 fi
-
 if want lean; then
-stamp "lean" >"$OUT/lean.log"
-timeout "${LEAN_S:-150}" python3 benchmarks/lean.py --device cuda --out "$WORK/lean" \
-    >>"$OUT/lean.log" 2>&1
-echo "exit $?" >>"$OUT/lean.log"
-pack
+    part lean "${LEAN_S:-150}" python3 benchmarks/lean.py --device cuda --out "$WORK/lean"
 fi
 
 stamp "done"
