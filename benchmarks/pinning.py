@@ -139,9 +139,10 @@ def contention(a, device: torch.device, cuda: bool) -> dict:
     run()                                                      # warm
     alone = [run() for _ in range(9)]
     out = {"alone_s": C.median(alone)}
-    kinds = {"pin": lambda: free(alloc(a, cuda)[1], cuda)}
+    held: list = []          # what the pinning thread allocated: freed after it, untimed
+    kinds = {"pin": lambda: held.extend(alloc(a, cuda)[1])}
     if cuda:
-        kinds["register"] = lambda: register(a)
+        kinds["register"] = lambda: register(a)      # (unregisters at its end, timed with it)
     for kind, work in kinds.items():
         th = threading.Thread(target=work, name=f"pinning-{kind}")
         during = []
@@ -149,6 +150,7 @@ def contention(a, device: torch.device, cuda: bool) -> dict:
         while th.is_alive():
             during.append(run())
         th.join()
+        free(held, cuda)
         out[f"during_{kind}_s"] = C.median(during) if during else None
         out[f"during_{kind}_loops"] = len(during)
         out[f"during_{kind}_x_alone"] = (out[f"during_{kind}_s"] / out["alone_s"]
