@@ -1,6 +1,6 @@
 """What pinning host memory costs on this machine, and what it holds up while it runs.
 
-    python benchmarks/pinning.py [--device cuda] [--gib 4] [--chunk-mib 256] [--repeats 3]
+    python benchmarks/pinning.py [--device cuda] [--gib 2] [--chunk-mib 256] [--repeats 3]
     python benchmarks/pinning.py --quick          # the CPU, plain memory: a smoke run, seconds
 
 Why: on the project's H100 leases the host arena's pinning is the largest cost left. The capped
@@ -28,8 +28,9 @@ and ``d2h`` are skipped (None), ``contention`` runs the loop on CPU tensors besi
 allocates. The CPU's figures stand for nothing on a GPU; the run checks the script end to end.
 
 Writes ``benchmarks/results/pinning-<device>.json`` (environment, config, per-repeat figures and
-medians) and a markdown table next to it. Estimate on an H100 host at the defaults: about 15 s a
-repeat (4 GiB pinned three times at about a GiB a second, registered twice), under a minute.
+medians) and a markdown table next to it. Estimate on an H100 host at the defaults: about 10 s a
+repeat (2 GiB pinned twice at about a GiB a second, registered twice, touched and freed), about
+half a minute.
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ GiB, MiB = 2**30, 2**20
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--gib", type=float, default=4.0, help="GiB pinned per measurement")
+    p.add_argument("--gib", type=float, default=2.0, help="GiB pinned per measurement")
     p.add_argument("--chunk-mib", type=int, default=256,
                    help="MiB per allocation (the arena's chunk: %(default)s)")
     p.add_argument("--repeats", type=int, default=3)

@@ -207,9 +207,9 @@ def test_lean_on_the_cpu_compares_lean_steps_with_the_executors_path(script, tmp
 def test_pinning_on_cuda_plans_what_its_estimate_counts(script, fake_cuda):
     p = script("pinning")
     a = p.parse_args(["--device", "cuda"])
-    # 4 GiB in 16 chunks of 256 MiB, pinned three times a repeat (alloc, contention's pin and
-    # register), three repeats: the docstring's "under a minute" at about a GiB a second.
-    assert (a.chunks, a.chunk_bytes, a.repeats) == (16, 256 * 2**20, 3)
+    # 2 GiB in 8 chunks of 256 MiB, pinned twice and registered twice a repeat, three repeats:
+    # the docstring's "about half a minute" at about a GiB a second.
+    assert (a.chunks, a.chunk_bytes, a.repeats) == (8, 256 * 2**20, 3)
     for bad in (["--gib", "0"], ["--chunk-mib", "0"], ["--repeats", "0"], ["--gib", "x"]):
         with pytest.raises(SystemExit):
             p.parse_args(["--device", "cuda", *bad])
