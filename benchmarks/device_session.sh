@@ -7,7 +7,7 @@
 #     OUT=out/device PARTS="demo capped" bash benchmarks/device_session.sh  # at once after it
 #
 # Next lease (pinning first, it decides the host arena's next step; 900 s with the start):
-#     PARTS="pinning hybrid tests" PINNING_S=60 HYBRID_S=330 TESTS_S=140   # command limit 560
+#     PARTS="pinning hybrid tests" PINNING_S=75 HYBRID_S=320 TESTS_S=140   # command limit 560
 #     PARTS="capped demo" CAPPED_S=120 DEMO_S=100                          # at once; limit 250
 #
 # A lease is 15 minutes of device time, the machine's start (about a minute) included, and ten
@@ -38,8 +38,8 @@
 #    budgets of 2.2-5.5 GiB;
 # 7. benchmarks/lean.py --device cuda: lean steps against the executor's path at 75% (8k and 12k
 #    tokens of the same Llama, with and without model=; 140 steps, never run on a GPU yet);
-# 0. benchmarks/pinning.py --device cuda (run first when named; never run on a GPU yet, about
-#    half a minute): how fast the host pins (torch's way and by registering touched memory), whether
+# 0. benchmarks/pinning.py --device cuda (run first when named; never run on a GPU yet, under
+#    a minute): how fast the host pins (torch's way and by registering touched memory), whether
 #    pinning on another thread holds up launches, and copies out to unpinned memory. What the
 #    host arena should do about its first steps' pinning, the largest cost left, turns on it.
 #

@@ -14,7 +14,10 @@ a GPU host gives, measured here side by side, each repeated ``--repeats`` times 
 2. ``register``: the same bytes as plain memory whose pages all cores touch first (``fill_``
    runs on torch's intra-op threads), then ``cudaHostRegister`` per chunk (and unregistered).
    ik_llama.cpp's pull request 1988 reports this twice as fast as ``cudaMallocHost`` on its
-   hosts (a fact from elsewhere, not this project's);
+   hosts (a fact from elsewhere, not this project's). Beside it ``alloc_torch_register``: the
+   arena's way again in a child process whose ``PYTORCH_CUDA_ALLOC_CONF`` turns on torch's own
+   registering pinned allocator (``pinned_use_cuda_host_register``, 8 threads), a process-wide
+   setting a user could make;
 3. ``contention``: a launch-bound loop on the main thread (``--launches`` tiny kernels, then a
    synchronize) timed alone, and while another thread pins ``--gib`` GiB either way: whether
    pinning ahead on the arena's background thread holds up a step's launches (an earlier lease
@@ -28,9 +31,9 @@ and ``d2h`` are skipped (None), ``contention`` runs the loop on CPU tensors besi
 allocates. The CPU's figures stand for nothing on a GPU; the run checks the script end to end.
 
 Writes ``benchmarks/results/pinning-<device>.json`` (environment, config, per-repeat figures and
-medians) and a markdown table next to it. Estimate on an H100 host at the defaults: about 10 s a
-repeat (2 GiB pinned twice at about a GiB a second, registered twice, touched and freed), about
-half a minute.
+medians) and a markdown table next to it. Estimate on an H100 host at the defaults: about 15 s a
+repeat (2 GiB pinned twice at about a GiB a second, registered twice, touched and freed, and a
+child process that starts CUDA and pins it once more), under a minute.
 """
 from __future__ import annotations
 
@@ -121,6 +124,31 @@ def register(a) -> dict:
             "registered_reads_pinned": reads_pinned}
 
 
+TORCH_REGISTER = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
+_CHILD = """
+import sys, time, torch
+n, size = int(sys.argv[1]), int(sys.argv[2])
+torch.cuda.init()
+t0 = time.perf_counter()
+held = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(n)]
+print(time.perf_counter() - t0)
+"""
+
+
+def alloc_torch_register(a) -> dict:
+    """``alloc`` in a child process with torch's registering pinned allocator turned on (None,
+    with the child's last words, where this torch refuses the setting or the child fails)."""
+    import os
+    import subprocess
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=TORCH_REGISTER)
+    got = subprocess.run([sys.executable, "-c", _CHILD, str(a.chunks), str(a.chunk_bytes)],
+                         env=env, capture_output=True, text=True, timeout=120)
+    try:
+        return {"alloc_torch_register_s": float(got.stdout.strip().splitlines()[-1])}
+    except (ValueError, IndexError):
+        return {"alloc_torch_register_error": (got.stderr or got.stdout)[-300:]}
+
+
 def _loop(device: torch.device, launches: int):
     x = torch.zeros(256, device=device)
 
@@ -196,13 +224,15 @@ def main(argv=None) -> int:
             row.update(got)
             row.update(free(held, cuda))
             row.update(register(a) if cuda else {})
+            row.update(alloc_torch_register(a) if cuda else {})
             row.update(contention(a, device, cuda))
             row.update(d2h(a, device) if cuda else {})
             rows.append(row)
             tick()
     med = medians(rows)
     per_gib = {k.replace("_s", "_s_per_gib"): v / pinned_gib for k, v in med.items()
-               if k in ("alloc_s", "free_s", "touch_s", "register_s", "unregister_s")}
+               if k in ("alloc_s", "free_s", "touch_s", "register_s", "unregister_s",
+                        "alloc_torch_register_s")}
     config = {"gib": pinned_gib, "chunk_mib": a.chunk_mib, "chunks": a.chunks,
               "repeats": a.repeats, "launches": a.launches, "copy_mib": a.copy_mib,
               "intra_op_threads": torch.get_num_threads()}

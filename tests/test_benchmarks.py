@@ -207,8 +207,8 @@ def test_lean_on_the_cpu_compares_lean_steps_with_the_executors_path(script, tmp
 def test_pinning_on_cuda_plans_what_its_estimate_counts(script, fake_cuda):
     p = script("pinning")
     a = p.parse_args(["--device", "cuda"])
-    # 2 GiB in 8 chunks of 256 MiB, pinned twice and registered twice a repeat, three repeats:
-    # the docstring's "about half a minute" at about a GiB a second.
+    # 2 GiB in 8 chunks of 256 MiB, pinned three times (once in a child) and registered twice a
+    # repeat, three repeats: the docstring's "under a minute" at about a GiB a second.
     assert (a.chunks, a.chunk_bytes, a.repeats) == (8, 256 * 2**20, 3)
     for bad in (["--gib", "0"], ["--chunk-mib", "0"], ["--repeats", "0"], ["--gib", "x"]):
         with pytest.raises(SystemExit):
@@ -226,3 +226,14 @@ def test_pinning_runs_end_to_end_on_the_cpu(script, tmp_path):
     assert "register_s" not in med and "pinned_gbps" not in med  # CUDA only
     assert got["seconds_per_gib"]["alloc_s_per_gib"] > 0
     assert (tmp_path / "pinning-cpu.md").read_text().startswith("# pinning on")
+
+
+def test_pinning_reads_torch_s_registering_allocator_from_a_child_or_says_why_not(script,
+                                                                                monkeypatch):
+    p = script("pinning")
+    a = p.parse_args(["--quick"])
+    got = p.alloc_torch_register(a)                  # the CPU: the child cannot init CUDA
+    assert list(got) == ["alloc_torch_register_error"] and got["alloc_torch_register_error"]
+    monkeypatch.setattr(p, "_CHILD", "import os; print(os.environ['PYTORCH_CUDA_ALLOC_CONF'])"
+                        "; print(1.5)")
+    assert p.alloc_torch_register(a) == {"alloc_torch_register_s": 1.5}
