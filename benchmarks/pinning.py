@@ -48,7 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
-from chameleon_swap.copy.host_pool import ALIGN, _empty_host_cache  # noqa: E402
+from chameleon_swap.copy.host_pool import _empty_host_cache, aligned_host  # noqa: E402
 
 GiB, MiB = 2**30, 2**20
 
@@ -78,13 +78,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def _plain(nbytes: int) -> torch.Tensor:
-    """Plain host memory of ``nbytes``, page-aligned (as the arena's slabs are)."""
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
-    skip = -raw.data_ptr() % ALIGN
-    return raw[skip:skip + nbytes]
-
-
 def alloc(a, cuda: bool) -> tuple[dict, list]:
     """The arena's way: chunks from torch's (pinned, on CUDA) allocator; on the CPU, touched."""
     t0 = C.now()
@@ -109,7 +102,7 @@ def register(a) -> dict:
     """Plain chunks touched by all cores, then registered with the driver (and unregistered)."""
     cudart = torch.cuda.cudart()
     t0 = C.now()
-    held = [_plain(a.chunk_bytes) for _ in range(a.chunks)]
+    held = [aligned_host(a.chunk_bytes, pin=False) for _ in range(a.chunks)]
     for t in held:
         t.fill_(0)
     t1 = C.now()
@@ -136,8 +129,8 @@ print(time.perf_counter() - t0)
 
 
 def alloc_torch_register(a) -> dict:
-    """``alloc`` in a child process with torch's registering pinned allocator turned on (None,
-    with the child's last words, where this torch refuses the setting or the child fails)."""
+    """``alloc`` in a child process with torch's registering pinned allocator turned on; where
+    this torch refuses the setting or the child fails, the child's last words instead."""
     import os
     import subprocess
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=TORCH_REGISTER)
@@ -192,8 +185,8 @@ def d2h(a, device: torch.device) -> dict:
     n = a.copy_mib * MiB
     src = torch.empty(n, dtype=torch.uint8, device=device)
     dests = {"pinned": lambda: torch.empty(n, dtype=torch.uint8, pin_memory=True),
-             "plain_touched": lambda: _plain(n).fill_(0),
-             "plain_fresh": lambda: _plain(n)}
+             "plain_touched": lambda: aligned_host(n, pin=False).fill_(0),
+             "plain_fresh": lambda: aligned_host(n, pin=False)}
     out = {}
     for name, make in dests.items():
         dst = make()

@@ -132,6 +132,18 @@ def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def aligned_host(size: int, pin: bool) -> torch.Tensor:
+    """``size`` bytes of host memory (pinned if ``pin``) starting on a page boundary."""
+    raw = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+    skip = -raw.data_ptr() % ALIGN
+    if skip:
+        # The CPU allocator aligns to 64 B only (pinned blocks come page-aligned from the
+        # driver): over-allocate by a page and start at the first page boundary.
+        raw = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=pin)
+        skip = -raw.data_ptr() % ALIGN
+    return raw[skip:skip + size]
+
+
 class _Slab:
     """One host allocation and its free ranges: ``_free`` maps start -> length, ``_starts`` keeps
     the starts sorted for first-fit search and for finding a released range's neighbours."""
@@ -139,14 +151,7 @@ class _Slab:
     __slots__ = ("tensor", "size", "_starts", "_free", "free_bytes", "ahead")
 
     def __init__(self, size: int, pin: bool) -> None:
-        raw = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
-        skip = -raw.data_ptr() % ALIGN
-        if skip:
-            # The CPU allocator aligns to 64 B only (pinned blocks come page-aligned from the
-            # driver): over-allocate by a page and start at the first page boundary.
-            raw = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=pin)
-            skip = -raw.data_ptr() % ALIGN
-        self.tensor = raw[skip:skip + size]
+        self.tensor = aligned_host(size, pin)
         self.size = size
         self._starts = [0]
         self._free = {0: size}
