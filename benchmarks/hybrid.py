@@ -383,7 +383,8 @@ def planner_state(engine) -> Optional[dict]:
 
 def learnt_ratios(engine) -> dict:
     """After a step: the full and selective recompute ratios the planner holds (None where not
-    measured, or without ``model=``), and the step's recompute and stall seconds: per step, where
+    measured, or without ``model=``), and the step's recompute and stall seconds, its host waits
+    and host bytes allocated (pinned inside the step on CUDA): per step, where
     a ratio was learnt and from what (a GPU run read full recomputation at twice the kept
     forward, where the steps ran it at about once)."""
     bm = getattr(engine._policy, "modes", None)
