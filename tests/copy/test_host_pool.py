@@ -648,6 +648,34 @@ def test_ready_never_allocates_on_the_calling_thread_and_asks_the_background_one
     plain.close()
 
 
+def test_room_asks_for_a_steps_moves_in_all_and_the_steps_end_keeps_them():
+    """``room(n)``: whether ``n`` bytes are free in all (a step's moves, not one tensor's range),
+    never waiting. On a slow arena a no asks the background thread for them and counts them as
+    the step's want, which its end keeps (and grows 1.5x ahead) instead of trimming; with
+    ``ask=False`` it only answers. Plain fast RAM always has room (a step with no plan asks it
+    before keeping blocks whose moves would wait for pinning: ``policy/host_room.py``)."""
+    assert HostPool(2**30, pin=False).room(2**29)
+    pool = HostPool(2**30, pin=False, ahead=True, chunk_bytes=4 * MiB, alloc_delay_s_per_gib=1e-9)
+    try:
+        assert not pool.room(10 * MiB, ask=False)
+        assert pool.wait_ahead(timeout=60) and pool.reserved_bytes == 0      # (not asked)
+        assert not pool.room(10 * MiB)
+        assert pool.wait_seconds == 0 and pool.allocated_bytes == 0
+        assert pool.wait_ahead(timeout=60) and pool.reserved_bytes >= 10 * MiB
+        assert pool.room(10 * MiB) and pool.room(6 * MiB, ask=False)
+        held = pool.acquire(4 * MiB)                # in use: the free room is what is left
+        assert not pool.room(pool.reserved_bytes, ask=False)
+        pool.release(held)
+        pool.end_step()                             # the want (10 MiB) is kept, and 1.5x of it
+        assert pool.wait_ahead(timeout=60) and pool.reserved_bytes >= 15 * MiB
+        for _ in range(3):
+            pool.end_step()                         # steps that want nothing: kept for the
+        assert pool.reserved_bytes >= 15 * MiB      # window (TRIM_WINDOW steps)
+        assert pool.allocated_bytes == 0            # all of it grown ahead, off the steps
+    finally:
+        pool.close()
+
+
 def test_growth_ahead_stops_short_of_the_machines_floor_and_a_step_still_gets_its_memory():
     # A machine of 1 GiB: growing ahead may leave it a quarter (256 MiB) available, no less. Two
     # engines of one process, each within its own limit, once grew ahead past the machine's RAM

@@ -402,6 +402,27 @@ class HostPool:
                                      + max(n, 2 * self._largest)))
             return False
 
+    def room(self, nbytes: int, ask: bool = True) -> bool:
+        """Whether the arena has ``nbytes`` free now, in all (a step's moves, not one tensor's
+        range), on an arena whose allocations are slow (pinned, or the testing delay); always
+        where allocating is fast. Never blocks. With ``ask``, a no counts ``nbytes`` as wanted
+        by the step (its end keeps room for them rather than trimming, and grows to 1.5x of
+        them ahead) and, with ``ahead``, has the background thread grow the arena to hold them
+        now: a step with no plan asks it before keeping blocks whose moves would wait for
+        pinning (``policy/host_room.py``)."""
+        if self._reserve_error is not None or not (self.pin or self.alloc_delay_s_per_gib):
+            return True
+        n = align_up(nbytes)
+        with self._lock:
+            if self._closed or (self._reserved.is_set()
+                                and self.reserved_bytes - self.in_use_bytes >= n):
+                return True
+            if ask:
+                self._step_peak = max(self._step_peak, self.in_use_bytes + n)
+                if self.ahead:
+                    self._ask_locked(max(self._target, self.in_use_bytes + n))
+            return False
+
     def would_block(self, nbytes: int) -> bool:
         """Whether ``acquire(nbytes)`` would wait (for the reserve, a background chunk, or a
         new slab allocated on the calling thread) on an arena whose allocations are slow
