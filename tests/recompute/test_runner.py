@@ -666,3 +666,48 @@ def test_a_recompute_is_timed_without_the_waits_and_moves_inside_it():
     rec = {c.block: c.recompute_seconds for c in calls}
     assert rec[2] == 1.5 - 0.25 - 0.5 - 0.125
     assert rec[1] == rec[0] == 1.5                # nothing apart inside theirs
+
+
+@pytest.mark.parametrize("make", [lambda: (TModel(p=0.0), randn(2, 9, 16)),
+                                  lambda: (MlpModel(), randn(4, 8))])
+def test_a_full_calls_recompute_counts_what_the_call_saves_kept(make):
+    """``count_kept_fn``: the recompute of a full call counts the distinct storages it saves,
+    parameters aside, with its inputs: what the same call saves through the hooks kept, at most
+    its input bytes more (an input the call does not save, or one saved before it; the
+    engine's host room learns a first block's size so, before any block ran kept)."""
+    model, x = make()
+    acc = Accountant()
+    saved: list = []
+
+    def pack(t):
+        base = t._base if t._base is not None else t
+        if not (base.is_leaf and (base.requires_grad or isinstance(base, nn.Parameter))):
+            saved.append((acc.next_index, t.untyped_storage()))
+        acc.next_index += 1
+        return t
+    kept, counted = {}, {}
+    m = copy.deepcopy(model)
+    with BlockRunner(m, mode_fn=const("keep"), accountant=acc) as runner:
+        runner.begin_step(False)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            m(x).backward()
+        for c in runner.end_step(False):
+            inside = {s for i, s in saved if c.first_record <= i < c.end_record}
+            kept[c.block] = sum(s.nbytes() for s in inside)
+    m = copy.deepcopy(model)
+    with BlockRunner(m, mode_fn=const("full"), accountant=Accountant()) as runner:
+        runner.count_kept_fn = lambda: True
+        runner.begin_step(False)
+        m(x).backward()
+        for c in runner.end_step(False):
+            counted[c.block] = (c.kept_bytes, c.input_bytes)
+            assert c.kept_saves > 0
+    assert min(kept.values()) > 0 and set(counted) == set(kept)
+    assert all(kept[b] <= n <= kept[b] + inputs for b, (n, inputs) in counted.items()), \
+        (counted, kept)
+    m = copy.deepcopy(model)
+    with BlockRunner(m, mode_fn=const("full"), accountant=Accountant()) as runner:
+        runner.count_kept_fn = lambda: False                # not asked: nothing counted
+        runner.begin_step(False)
+        m(x).backward()
+        assert all(c.kept_bytes == 0 for c in runner.end_step(False))

@@ -101,6 +101,10 @@ class BlockCall:
     recompute_seconds: Optional[float] = None   # when it was recomputed in backward
     selective_bytes: int = 0   # bytes kept by selective checkpointing (held)
     recomputed_bytes: int = 0  # bytes held for the recompute working set (working_set_fn)
+    # A full call's recompute, counted where ``count_kept_fn`` asked: what it saved (distinct
+    # storages, parameters aside, its inputs added), so what the block saves kept, and how many
+    kept_bytes: int = 0
+    kept_saves: int = 0
 
 
 class _Live:
@@ -162,6 +166,8 @@ class BlockRunner:
         self.model = model
         self.mode_fn = mode_fn
         self.working_set_fn: Optional[Callable[[int], int]] = None
+        # () -> whether full calls' recomputes count what they save (``BlockCall.kept_bytes``)
+        self.count_kept_fn: Optional[Callable[[], bool]] = None
         # (forward) -> a context in which the caller's global module hooks step aside while a
         # full block runs (the engine's ``module_hooks.Quiet``); None: they stay, and every
         # recompute after a block's first at a shape is walked only where it reached leaves.
@@ -530,6 +536,9 @@ class _Recompute:
         try:
             if r._active and self.live.step == r._step:
                 self.start = r._recompute_begins(self.live)
+                if self.outside and r.count_kept_fn is not None and r.count_kept_fn():
+                    # (full.py's identity hooks are below: these take the recompute's saves)
+                    self.inner = _Counting(self.live.call)
             if self.inner is not None:
                 self.inner.__enter__()
         except BaseException:
@@ -552,6 +561,36 @@ class _Recompute:
 
 # --------------------------------------------------------------------------- helpers
 _MISSING = object()
+
+
+class _Counting(torch.autograd.graph.saved_tensors_hooks):
+    """Saved-tensor hooks that hand back what they get and count, on ``call``, the distinct
+    storages saved that are not parameters (as the engine's pack counts a kept block's saves):
+    the recompute of a full call saves what the call would have saved kept. Its inputs are
+    saved as detached leaves here (the engine's pack would count them): added at once."""
+
+    def __init__(self, call: BlockCall) -> None:
+        self.seen: set = set()
+        call.kept_bytes, call.kept_saves = call.input_bytes, 0
+
+        def pack(t):
+            base = t._base if t._base is not None else t
+            if not (base.is_leaf and (base.requires_grad or isinstance(base, nn.Parameter))):
+                st = t.untyped_storage()
+                if st not in self.seen:
+                    self.seen.add(st)
+                    call.kept_bytes += st.nbytes()
+                    call.kept_saves += 1
+            return t
+        super().__init__(pack, _same_tensor)
+
+    def __exit__(self, *exc) -> None:
+        self.seen = set()                   # (the storages are the recompute's to free)
+        super().__exit__(*exc)
+
+
+def _same_tensor(t):
+    return t
 
 
 def _wrap(runner: BlockRunner, i: int, orig):
