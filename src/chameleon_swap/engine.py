@@ -341,6 +341,7 @@ class Chameleon:
                              accountant=self._ex, clock=self._profiler.clock,
                              apart_fn=self._profiler.apart_mark)
         runner.working_set_fn = policy.working_set
+        runner.count_kept_fn = policy.host_room.unknown     # (host_room.py)
         # Its full blocks run with the engine's module hooks out of the way where that is safe.
         me = weakref.ref(self)
         runner.quiet_hooks = lambda forward: module_hooks.Quiet(me(), forward)

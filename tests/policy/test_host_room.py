@@ -173,3 +173,93 @@ def test_with_no_host_room_the_plan_recomputes_and_warns_once(case, clock):
             # what it would copy, once.
             assert least.predicted.budget_ok
             assert "host_memory_limit=0 B" in said[0] and "would copy" in said[0], said
+
+
+def test_a_step_with_no_plan_on_a_cold_arena_recomputes_rather_than_wait_for_it(case,
+                                                                                monkeypatch):
+    """``host_room.cold``: on a step with no plan, a block that, kept with the blocks after it,
+    would move more than the host arena has ready runs full (on CUDA every byte the guard moves
+    into a cold arena is pinned first: the H100's capped schedule spent 44.9 s of 59.4 in its
+    first step). Here allocating is slowed as pinning is (the arena's testing delay). The first
+    step knows no block's size: every block runs full, and the recomputes count what they save
+    (``BlockCall.kept_bytes``). The second keeps what fits without moves, runs the rest full and
+    asks the arena for the room keeping them would need (room beside a recompute's working
+    set: here no block fits so); once it is there, a step keeps every block (nothing waits for
+    memory) and its keep view is learnt, and the size is planned."""
+    from chameleon_swap.copy import host_pool
+    fast = _steps(case, 1)                   # allocating is fast: kept, and its sizes measured
+    assert fast.history[0].block_modes == (6, 0, 0)
+    kept_per_input = fast._policy.host_room.saved_per_input
+    monkeypatch.setenv(host_pool.ALLOC_DELAY_ENV, "40")           # 40 s per GiB: 2 MiB = 78 ms
+    m = copy.deepcopy(case["model"])
+    with cs.Chameleon(case["budget"], device="cpu", min_tensor_bytes=0, model=m,
+                      plan_in_background=False) as eng:
+        room, pool = eng._policy.host_room, eng._pool
+
+        def step():
+            m.zero_grad(set_to_none=True)
+            with eng.step():
+                loss = case["run"](m)
+            assert_bitwise(case["ref_loss"], case["ref_grads"], loss, grads(m))
+            s = eng.last_step
+            assert s.peak_resident_bytes <= case["budget"], s
+            return s
+        first = step()
+        assert first.block_modes == (0, 0, 6), first
+        assert first.offloaded_bytes == 0 and first.host_wait_seconds == 0
+        # counted in the recomputes: as kept blocks measure it, or a little more (inputs)
+        assert kept_per_input <= room.saved_per_input <= 1.25 * kept_per_input
+        second = step()             # kept as far as fits beside a recompute: here none
+        assert second.block_modes[1] == 0 and second.block_modes[2] > 0, second
+        assert second.offloaded_bytes == 0 and second.host_wait_seconds == 0
+        assert room.cold_recomputes == 6 + second.block_modes[2]
+        assert not eng._policy.modes.views                    # nothing kept whole: no view yet
+        assert pool.wait_ahead(timeout=60) and pool.reserved_bytes > 0     # asked for
+        third = step()
+        assert third.block_modes == (6, 0, 0) and third.offloaded_bytes > 0, third
+        assert third.host_wait_seconds == 0 and third.host_allocated_bytes == 0
+        assert eng._policy.modes.views                        # learnt: planned from now on
+        fourth = step()
+        assert fourth.plan_source != "guard" and room.cold_recomputes == 6 + second.block_modes[2]
+
+
+def test_a_planned_step_whose_moves_the_cold_arena_cannot_hold_keeps_only_what_fits(case,
+                                                                                   monkeypatch):
+    """``host_room.unready``: a step with a plan whose moves the arena cannot hold now (here
+    the arena handed its memory back: ``HostPool.clear``) keeps only the blocks that fit
+    without moves and runs the rest full while the arena is asked for the room: nothing waits
+    for memory, no prediction is reported (the step did not run its plan's mix) and the bits
+    are the plain step's. Once the arena holds the room again, the plan's mix runs."""
+    from chameleon_swap.copy import host_pool
+    from chameleon_swap.policy import block_modes, mix_runs
+    monkeypatch.setenv(host_pool.ALLOC_DELAY_ENV, "40")           # 40 s per GiB: 2 MiB = 78 ms
+    # A plan that moves, once made, stays: no fallback trials, no plans made again
+    monkeypatch.setattr(block_modes.BlockModes, "may_replan", lambda self: False)
+    monkeypatch.setattr(mix_runs.Trials, "start", lambda self, key, plan, ran: None)
+    m = copy.deepcopy(case["model"])
+    with cs.Chameleon(case["budget"], device="cpu", min_tensor_bytes=0, model=m,
+                      plan_in_background=False) as eng:
+        pool, modes, room = eng._pool, eng._policy.modes, eng._policy.host_room
+
+        def step():
+            m.zero_grad(set_to_none=True)
+            with eng.step():
+                loss = case["run"](m)
+            assert_bitwise(case["ref_loss"], case["ref_grads"], loss, grads(m))
+            assert eng.last_step.peak_resident_bytes <= case["budget"], eng.last_step
+            assert pool.wait_ahead(timeout=60)
+            return eng.last_step
+        for _ in range(8):                       # measured, kept whole, then planned
+            planned = step()
+            if planned.offloaded_bytes and planned.predicted_step_seconds:
+                break
+        assert planned.offloaded_bytes > 0 and planned.block_modes[0] > 0, planned
+        pool.clear()
+        before = room.cold_recomputes
+        cold = step()
+        assert modes.unready, cold
+        assert cold.host_wait_seconds == 0 and cold.host_allocated_bytes == 0, cold
+        assert cold.predicted_step_seconds is None and room.cold_recomputes > before
+        assert cold.offloaded_bytes < planned.offloaded_bytes
+        warm = step()                            # the room asked for is there
+        assert not modes.unready and warm.predicted_step_seconds is not None, warm

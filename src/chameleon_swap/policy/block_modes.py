@@ -104,6 +104,7 @@ class BlockModes(SizePlans):
         self.input_bytes = 0
         self.plan: Optional[ModePlan] = None
         self.upsized = False                # a size no plan fits (mix_runs.upsized)
+        self.unready: Optional[bool] = None  # the plan's moves find no room ready (host_room)
         self.probing: Optional[int] = None
         self.pending: dict[int, int] = {}   # recomputes not begun: bytes beside their inputs
         self.forced: dict[int, int] = {}    # blocks run full for host room: their working sets
@@ -158,7 +159,7 @@ class BlockModes(SizePlans):
     def predicted_seconds(self) -> Optional[float]:
         """The applied mode plan's step time, scaled to this step's size; None without one."""
         p = self.plan
-        if p is None or self.key is None or self.upsized:
+        if p is None or self.key is None or self.upsized or self.unready:
             return None
         pred = p.hybrid.predicted
         if pred is None:

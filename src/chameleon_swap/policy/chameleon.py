@@ -83,11 +83,11 @@ class ChameleonPolicy:
 
     def wants_detail(self) -> bool:
         # Timings serve the planner only, which never runs without a budget: with none, every
-        # step is lightweight (the first step with a budget is then the timed one).
-        # Block modes planned from the first step's figures alone want the next steps timed
-        # as well, until one corrects them (``BlockModes.warm``; a few at most).
-        cold = (bool(self.modes.views) and not self.modes.warm
-                and sum(self.modes.visits.values()) < COLD_STEPS)
+        # step is lightweight. Block modes planned from the first step's figures alone want
+        # the next steps timed too, until one corrects them (``BlockModes.warm``; a few), and
+        # with no keep view yet every step with model= is (it may keep every block: host_room).
+        cold = (not self.modes.warm and sum(self.modes.visits.values()) < COLD_STEPS
+                if self.modes.views else bool(self.modes.eligible))
         return (self._want_detail or cold) and self.ex.budget is not None
 
     def begin_step(self) -> None:
@@ -290,7 +290,7 @@ class ChameleonPolicy:
             return end_lean(self, profile)      # nothing on it was planned (lean.py)
         self.pinned_step = profile is not None and self.checks.exempt(profile, self.modes.key)
         self.guard.end_step()
-        self.host_room.end_step()
+        self.host_room.end_step(profile)
         applied, source, predicted, predicted_stall = self._applied, "guard", None, None
         if applied is not None:
             if applied.replanned:
@@ -347,7 +347,7 @@ class ChameleonPolicy:
         mode = self.modes.mode(b, input_bytes)
         room = self.host_room
         room.block_starts()
-        if mode != "full" and room.short(b, input_bytes, len(self.modes.eligible)):
+        if mode != "full" and room.short(b, input_bytes, self.modes):
             mode = self.modes.run_full(b, room.saved_bytes(input_bytes), input_bytes)
         room.started(mode, input_bytes)
         self.ex.recompute_reserve = self.modes.ahead()
