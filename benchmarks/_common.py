@@ -16,7 +16,7 @@ from typing import Iterable, Optional
 import torch
 
 # Facts and the progress bar are shared with the package's bench commands.
-from chameleon_swap.bench.env import device_name, device_slug, environment, git_commit, progress  # noqa: F401,E501
+from chameleon_swap.bench.env import delay_note, device_name, device_slug, environment, git_commit, progress  # noqa: F401,E501
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -210,7 +210,8 @@ def markdown(p: dict) -> str:
     env, cfg = p["environment"], p["config"]
     cap = (f"a cap of {format_bytes(cfg['cap_bytes'])} on all device memory"
            if cfg["cap_bytes"] else f"a budget of {cfg['budget_fraction']:.0%} of the natural "
-           f"peak, copies on the emulated link ({cfg['emulated_link']}): a CPU stand-in")
+           f"peak, copies on the emulated link ({cfg['emulated_link']}){C.delay_note(env)}: a "
+           f"CPU stand-in")
     head = (f"# capped schedule on {env['device_name']}\n\ntorch {env['torch']}, commit "
             f"{env['commit']}; HF Llama {cfg['hidden']}x{cfg['layers']}, schedule "
             f"{'/'.join(str(t) for t in cfg['schedule'])} tokens x {cfg['repeats']}; {cap}; "

@@ -498,7 +498,7 @@ def markdown(payload: dict) -> str:
                   "median at the same length):\n\n" + C.markdown_table(
                       ["budget", "mode"] + [f"T={T}" for T in lengths], per_len))
     return (f"# hybrid on {env['device_name']}"
-            f"{f', emulated link {link}' if link else ''}\n\n"
+            f"{f', emulated link {link}' if link else ''}{C.delay_note(env)}\n\n"
             f"torch {env['torch']}, commit {env['commit']}; Hugging Face Llama hidden "
             f"{cfg['hidden']} x {cfg['layers']} layers, {cfg['heads']} heads, vocab {cfg['vocab']}, "
             f"lengths {cfg['lengths']}, batch 1, autocast {cfg['autocast']}; natural activation "

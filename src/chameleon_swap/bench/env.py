@@ -66,7 +66,17 @@ def environment(device: "torch.device") -> dict:
            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     if device.type == "cuda":
         env["cuda"] = torch.version.cuda
+    from ..copy.host_pool import ALLOC_DELAY_ENV
+    if float(os.environ.get(ALLOC_DELAY_ENV, "0") or 0):
+        # The host arena's testing delay was on: its allocations slept, as pinning is slow
+        env["host_alloc_delay_s_per_gib"] = float(os.environ[ALLOC_DELAY_ENV])
     return env
+
+
+def delay_note(env: dict) -> str:
+    """A results header's words for the host arena's testing delay, where it was on."""
+    d = env.get("host_alloc_delay_s_per_gib")
+    return f", host allocations slowed to {d:g} s a GiB (the arena's testing delay)" if d else ""
 
 
 @contextmanager
