@@ -9,6 +9,9 @@
 # Next lease (pinning first, it decides the host arena's next step; 900 s with the start):
 #     PARTS="pinning hybrid tests" PINNING_S=75 HYBRID_S=320 TESTS_S=140   # command limit 560
 #     PARTS="capped demo" CAPPED_S=120 DEMO_S=100                          # at once; limit 250
+# Read in the hybrid's and the capped schedule's step rows whether first steps run blocks full
+# with no host wait where the arena is cold (policy/host_room.py, new at 76740ee: untried on a
+# GPU), and when a step first keeps every block.
 #
 # A lease is 15 minutes of device time, the machine's start (about a minute) included, and ten
 # minutes a command; the machine stays warm 30 s after a command. Two commands fit: the default
