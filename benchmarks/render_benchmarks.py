@@ -209,7 +209,9 @@ EMULATED = {"after-session20-256x8": "256x8 (c59b193)",
             "after-session24-256x8-run2": "256x8 (6419f30), run 2",
             "after-session24-256x8-long": "256x8, long (a1c464e)",
             "after-session25-256x8": "256x8 (397a830)",
-            "after-session25-256x8-run2": "256x8 (397a830), run 2"}
+            "after-session25-256x8-run2": "256x8 (397a830), run 2",
+            "after-session26-256x8": "256x8 (9c373f7)",
+            "after-session26-256x8-run2": "256x8 (9c373f7), run 2"}
 
 
 def emulated_block(results: Path) -> str:
