@@ -32,12 +32,13 @@ fast (plain memory on the CPU) the arena always has room, and nothing changes.
 
 Reproduced on the CPU with the arena's testing delay at the H100's ratio of pinning to link
 speed (400 s a GiB against the 130 MB/s emulated link), before and after: the capped schedule's
-stand-in (``benchmarks/capped.py``) 6.10x and 2.22x the plain steps' total (its first step 15.3
-s and 0.49 s, the plain step 0.35 s; after, a 512-token step run full at the budget's edge
-still waited 3.7 s for a small slab: 16 MiB, 16 ms of pinning on the H100, is seconds at this
-delay); the emulated-link benchmark's hybrids (``benchmarks/hybrid.py``, 256x8) took 19.5 s
-and 12.3 s at 25%, 28.8 s and 10.6 s at 50%, 17.0 s and 9.1 s at 75% in all (the plain steps
-7.2-8.5 s), waiting 3.1-15.3 s on first visits of a size before and never after.
+stand-in (``benchmarks/capped.py``) 6.10x the plain steps' total before, 2.22x and 2.50x in
+two runs after (its first step 15.3 s, then 0.40-0.49 s, the plain step 0.35 s; after, a
+512-token step run full at the budget's edge still waited 3.6-3.7 s for a slab on its way: 16
+MiB, 16 ms of pinning on the H100, is seconds at this delay); the emulated-link benchmark's
+hybrids (``benchmarks/hybrid.py``, 256x8) took 19.5 s and 12.3 s at 25%, 28.8 s and 10.4 s at
+50%, 17.1 s and 9.1 s at 75% in all (the plain steps 7.2-8.2 s), waiting 3.1-15.3 s on first
+visits of a size before and never after.
 """
 from __future__ import annotations
 

@@ -582,15 +582,11 @@ class _Counting(torch.autograd.graph.saved_tensors_hooks):
                     call.kept_bytes += st.nbytes()
                     call.kept_saves += 1
             return t
-        super().__init__(pack, _same_tensor)
+        super().__init__(pack, full._same)
 
     def __exit__(self, *exc) -> None:
         self.seen = set()                   # (the storages are the recompute's to free)
         super().__exit__(*exc)
-
-
-def _same_tensor(t):
-    return t
 
 
 def _wrap(runner: BlockRunner, i: int, orig):
