@@ -779,3 +779,25 @@ def test_a_request_takes_the_smallest_slab_it_fits_and_leaves_the_large_one_whol
     assert [b.slab.size for b in held] == [MiB] * 4 + [2 * MiB]
     whole = pool.acquire(8 * MiB)                    # the large slab is still whole
     assert whole.slab.size == 8 * MiB and pool.allocations == 3
+
+
+def test_room_asks_nothing_while_the_reserve_is_being_allocated(monkeypatch):
+    """``room`` while ``host_memory_reserve``'s slab is still being allocated answers no and asks
+    the grow thread for nothing (as ``ready``): growing beside the reserve could pass the limit."""
+    gate = threading.Event()
+    made = host_pool.HostPool._new_slab
+
+    def held_slab(self, size):
+        assert gate.wait(timeout=60), "the allocator was never let go"
+        return made(self, size)
+
+    monkeypatch.setattr(host_pool.HostPool, "_new_slab", held_slab)
+    pool = HostPool(64 * MiB, pin=False, reserve_bytes=8 * MiB, ahead=True,
+                    alloc_delay_s_per_gib=1e-9)
+    try:
+        assert not pool.room(MiB) and pool._pending == 0 and pool._target == 0
+        gate.set()
+        assert pool.wait_reserve(timeout=60) and pool.room(MiB)
+    finally:
+        gate.set()
+        pool.close()

@@ -412,10 +412,11 @@ class HostPool:
         pinning (``policy/host_room.py``)."""
         if self._reserve_error is not None or not (self.pin or self.alloc_delay_s_per_gib):
             return True
+        if not self._reserved.is_set():
+            return False                      # the reserve slab is still being allocated
         n = align_up(nbytes)
         with self._lock:
-            if self._closed or (self._reserved.is_set()
-                                and self.reserved_bytes - self.in_use_bytes >= n):
+            if self._closed or self.reserved_bytes - self.in_use_bytes >= n:
                 return True
             if ask:
                 self._step_peak = max(self._step_peak, self.in_use_bytes + n)
