@@ -611,11 +611,9 @@ def test_a_reserve_ready_before_it_is_needed_belongs_to_no_step_one_waited_for_d
     slow.close()
 
 
-def test_ready_never_allocates_on_the_calling_thread_and_asks_the_background_one(monkeypatch):
-    """Issue 19, item 1: ``ready(nbytes)`` says whether a free range fits now. It allocates and
-    waits for nothing: here the allocator is held until the test lets it go, and ``ready``
-    returns meanwhile. With ``ahead`` a no asks the background thread for room, so a later
-    ``ready`` says yes and the ``acquire`` after it waits for nothing."""
+@pytest.fixture
+def held_allocator(monkeypatch):
+    """Every slab allocation waits until the test sets the event this yields (and at its end)."""
     gate = threading.Event()
     made = host_pool.HostPool._new_slab
 
@@ -624,6 +622,17 @@ def test_ready_never_allocates_on_the_calling_thread_and_asks_the_background_one
         return made(self, size)
 
     monkeypatch.setattr(host_pool.HostPool, "_new_slab", held_slab)
+    yield gate
+    gate.set()
+
+
+def test_ready_never_allocates_on_the_calling_thread_and_asks_the_background_one(
+        held_allocator):
+    """Issue 19, item 1: ``ready(nbytes)`` says whether a free range fits now. It allocates and
+    waits for nothing: here the allocator is held until the test lets it go, and ``ready``
+    returns meanwhile. With ``ahead`` a no asks the background thread for room, so a later
+    ``ready`` says yes and the ``acquire`` after it waits for nothing."""
+    gate = held_allocator
     # (A delay per GiB marks allocating as slow, as pinning is: plain fast RAM is always ready.)
     assert HostPool(2**30, pin=False).ready(MiB)
     pool = HostPool(2**30, pin=False, ahead=True, chunk_bytes=4 * MiB, alloc_delay_s_per_gib=1e-9)
@@ -781,17 +790,10 @@ def test_a_request_takes_the_smallest_slab_it_fits_and_leaves_the_large_one_whol
     assert whole.slab.size == 8 * MiB and pool.allocations == 3
 
 
-def test_room_asks_nothing_while_the_reserve_is_being_allocated(monkeypatch):
+def test_room_asks_nothing_while_the_reserve_is_being_allocated(held_allocator):
     """``room`` while ``host_memory_reserve``'s slab is still being allocated answers no and asks
     the grow thread for nothing (as ``ready``): growing beside the reserve could pass the limit."""
-    gate = threading.Event()
-    made = host_pool.HostPool._new_slab
-
-    def held_slab(self, size):
-        assert gate.wait(timeout=60), "the allocator was never let go"
-        return made(self, size)
-
-    monkeypatch.setattr(host_pool.HostPool, "_new_slab", held_slab)
+    gate = held_allocator
     pool = HostPool(64 * MiB, pin=False, reserve_bytes=8 * MiB, ahead=True,
                     alloc_delay_s_per_gib=1e-9)
     try:
