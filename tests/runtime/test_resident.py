@@ -168,3 +168,38 @@ def test_compiled_module_inside_a_resident_only_step_is_bitwise(backend):
                 assert eng.last_step.saved_bytes > 0 and not eng.last_step.failed
     finally:
         torch._dynamo.reset()
+
+
+def test_a_lean_release_on_another_thread_while_the_lock_is_held_is_recounted_at_settle():
+    """On an engine with a budget a lean record's release never waits for the executor's lock
+    off the main thread (a copy worker's caller may hold it while a garbage collection runs on
+    that worker): it leaves the record's count one too high and asks ``settle`` to recount the
+    lean records' holders. Before, such a record stayed alive and counted for good."""
+    import gc
+    import threading
+
+    from _models import lm_batches
+    model = tiny_llama(n_layers=3)
+    batch = lm_batches(model, [16])[0]
+    with cs.Chameleon(10**9, device="cpu", model=model, min_tensor_bytes=0) as eng:
+        train_step(model, batch, eng)
+        with eng.step():
+            box = [model(*batch)]
+            ex = eng._ex
+            assert ex.lean and any(not r.handles for r in ex.live)
+            with ex.lock:                    # held here while another thread frees the graph
+                t = threading.Thread(target=box.clear)
+                t.start()
+                t.join(timeout=30)
+                assert not t.is_alive()      # it did not wait for the lock
+            assert ex.recount and any(not r.handles for r in ex.live)
+        assert eng.last_step.lean == "whole"
+        # Settled, no lean record is left (what the step saved before its lean path began has
+        # handles, released as they die: here the model's graph keeps a part of them a while)
+        held = eng.resident_bytes
+        assert not [r for r in ex.live if not r.handles]
+        assert held == sum(r.nbytes for r in ex.live if r.counted)
+        train_step(model, batch, eng)        # and the next step is as before
+        gc.collect()
+        assert eng.last_step.lean == "whole"
+        assert eng.resident_bytes == 0 and eng.records_alive == 0

@@ -42,7 +42,7 @@ from .records import (FETCHING, HOST, OFFLOADING, RELEASED, RESIDENT, RESTORED, 
 _Tensor, _Parameter, _STRIDED = torch.Tensor, torch.nn.Parameter, torch.strided
 
 
-_MAIN_THREAD = threading.main_thread().ident
+MAIN_THREAD = threading.main_thread().ident
 
 
 class Executor:
@@ -577,7 +577,7 @@ class Executor:
 
     # ------------------------------------------------------------------ release
     def _handle_gone(self, rec: Record) -> None:
-        if threading.get_ident() == _MAIN_THREAD:
+        if threading.get_ident() == MAIN_THREAD:
             # The only thread a Ctrl-C lands on: ``with`` cannot lose the lock to one.
             with self.lock:
                 self._drop_handle(rec)
