@@ -237,3 +237,36 @@ def test_pinning_reads_torch_s_registering_allocator_from_a_child_or_says_why_no
     monkeypatch.setattr(p, "_CHILD", "import os; print(os.environ['PYTORCH_CUDA_ALLOC_CONF'])"
                         "; print(1.5)")
     assert p.alloc_torch_register(a) == {"alloc_torch_register_s": 1.5}
+
+
+def test_mixes_on_cuda_plans_the_steps_its_estimate_counts(script, fake_cuda):
+    mx = script("mixes")
+    a = mx.parse_args(["--device", "cuda"])
+    lengths = set(mx.H.GPU_CONFIGS[a.config])
+    modes = 3 + len(a.kept)                                 # none, full, plan, the forced mixes
+    assert a.emulate_link is None and modes * len(lengths) * (a.warmup + a.rounds) <= 144
+    for bad in (["--kept", "1,a"], ["--kept", "-1"], ["--fraction", "0"]):
+        with pytest.raises(SystemExit):
+            mx.parse_args(bad)
+
+
+def test_mixes_on_the_cpu_forces_each_mix_and_holds_the_budget(script, tmp_path):
+    """A quick run end to end: every forced engine ran the mix it was given (the last K blocks
+    kept, the rest full) on every timed step, every engine held the budget, losses bitwise."""
+    import json
+    mx = script("mixes")
+    assert mx.main(["--quick", "--device", "cpu", "--kept", "0,1,5", "--out",
+                    str(tmp_path)]) == 0
+    got = json.loads((tmp_path / "mixes-cpu.json").read_text())
+    assert got["losses_bitwise_equal_across_modes"] and got["budget_held"]
+    assert got["config"]["kept"] == [0, 1, 2]               # 5 is every one of the 2 blocks
+    assert set(got["per_length"]) == {"64", "96", "128"}
+    for res in got["per_length"].values():
+        assert res["block_modes"]["keep 0"] == [[0, 0, 2]]
+        assert res["block_modes"]["keep 1"] == [[1, 0, 1]]
+        assert res["block_modes"]["keep 2"] == [[2, 0, 0]]
+        assert res["best_forced"] in ("keep 0", "keep 1", "keep 2")
+        assert set(res["modes"]) == {"none", "full", "plan", "keep 0", "keep 1", "keep 2"}
+        assert res["modes"]["full"]["vs_full"] == 1.0
+    assert got["ceiling_vs_full"] > 0
+    assert "| 64 | keep 1 |" in (tmp_path / "mixes-cpu.md").read_text()

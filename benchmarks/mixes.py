@@ -1,0 +1,285 @@
+"""The ceiling of the mode space: every block mix forced, against the one the planner picks.
+
+    python benchmarks/mixes.py [--device cuda] [--config 256x8] [--fraction 0.25]
+                               [--kept 0,1,2,3,5] [--rounds 10] [--warmup 2]
+                               [--emulate-link 130MB/s] [--quick] [--out DIR]
+
+Issue 18's targets are ratios to other modes (at 25% of the natural peak the hybrid at most
+0.95x full recomputation's step). Whether a miss is the planner's choice or the budget's limit
+is a question of what the best mix would have run: this script runs it. The emulated-link
+benchmark's HF Llama (``hybrid.py``'s configs and lengths), its budget a share of the longest
+length's natural peak, and per length, one step each per round in an order that rotates every
+round:
+
+* ``none``: the plain step; ``full``: torch's non-reentrant checkpoint around every layer;
+* ``plan``: ``Chameleon(budget, model=model)``, the mix its planner picks;
+* ``keep K``: the same engine with its blocks' modes forced, the last K blocks kept (moved as
+  its swap plans choose) and the others recomputed in full. The last blocks' saves are the
+  first backward needs, so they are the cheapest to keep. Forced by replacing the policy's
+  per-block choice (``ChameleonPolicy.block_mode``): a what-if no public option offers. Every
+  forced step must still hold the budget (the guard moves what the mix leaves over).
+
+Reported per length: each mode's step over the plain step's and over full recomputation's of
+the same round (medians over the timed rounds), whether every engine step held the budget, the
+planner's mixes, and the best forced mix with the plan's step over it. Pooled over the lengths
+as issue 18 pools them (the median of each step over full's of the same round and length):
+the plan's ratio, and the ceiling, the best forced mix of each length. The first ``--warmup``
+rounds are not timed (the engines' first steps, a size's plans). Writes
+``benchmarks/results/mixes-<device>.json``, a markdown table and, with matplotlib, a plot.
+
+On an H100 (4096x8, 25%) a step averaged about 0.6 s in ``hybrid.py``: the defaults there (4
+rounds, 2 warm-up, 3 lengths, 8 modes) are 144 steps, about 2 minutes with the model's build.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+import hybrid as H  # noqa: E402
+
+import chameleon_swap as cs  # noqa: E402
+from chameleon_swap.engine import paused_hooks  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    C.add_threads_argument(p)
+    p.add_argument("--config", default=None,
+                   help=f"hidden x layers, as hybrid.py's: {', '.join(H.GPU_CONFIGS)} (GPU), "
+                        f"{', '.join(H.CPU_CONFIGS)} (CPU)")
+    p.add_argument("--fraction", type=float, default=0.25,
+                   help="the budget as a share of the longest length's natural peak, in (0, 1]")
+    p.add_argument("--kept", default="0,1,2,3,5",
+                   help="the forced mixes: how many of the last blocks each keeps, the rest "
+                        "recomputed in full (comma-separated counts; beyond the model's blocks: "
+                        "all of them)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="timed rounds, each mode once a length (default 10 on the CPU, 4 on a "
+                        "GPU)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    p.add_argument("--emulate-link", default=None, metavar="BW",
+                   help="CPU only: the engines' copies run at this bandwidth (default 130MB/s)")
+    p.add_argument("--quick", action="store_true", help="a small model, few rounds (smoke run)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="results folder (default benchmarks/results)")
+    a = p.parse_args(argv)
+    if not 0 < a.fraction <= 1:
+        p.error(f"--fraction must be a share of the natural peak in (0, 1]; got {a.fraction}")
+    try:
+        a.kept = sorted({int(k) for k in a.kept.split(",")})
+    except ValueError:
+        p.error(f"--kept must be comma-separated block counts (e.g. 0,1,2); got {a.kept!r}")
+    if any(k < 0 for k in a.kept):
+        p.error(f"--kept counts must be 0 or more; got {a.kept}")
+    cuda = a.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        p.error("--device cuda was given but torch.cuda.is_available() is False")
+    C.check_emulated_link(p, a, gpu=cuda)
+    if not cuda and a.emulate_link is None:
+        a.emulate_link = "130MB/s"
+    configs = H.GPU_CONFIGS if cuda else H.CPU_CONFIGS
+    if a.quick:
+        a.config = a.config or ("4096x8" if cuda else "128x2")
+        a.rounds, a.warmup = 3, 1
+    a.config = a.config or ("4096x8" if cuda else "256x8")
+    if a.rounds is None:
+        a.rounds = 4 if cuda else 10
+    if a.config not in configs:
+        p.error(f"--config must be one of {', '.join(configs)} on {'cuda' if cuda else 'cpu'}; "
+                f"got {a.config!r}")
+    C.check_counts(p, a, ("rounds",))
+    C.apply_threads(a)
+    return a
+
+
+def forced(engine: cs.Chameleon, kept: int, n_blocks: int) -> cs.Chameleon:
+    """``engine`` with its blocks' modes forced: the last ``kept`` kept, the rest full."""
+    first_kept = n_blocks - kept
+    engine._policy.block_mode = lambda b, input_bytes: "keep" if b >= first_kept else "full"
+    return engine
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    device = torch.device(a.device)
+    model, cfg = H.build(a, device)
+    n_blocks = cfg.num_hidden_layers
+    lengths = sorted(set(H.GPU_CONFIGS.get(a.config) or H.CPU_CONFIGS[a.config]))
+    longest = max(lengths)
+    gen = torch.Generator().manual_seed(1)
+    batches = {T: torch.randint(0, cfg.vocab_size, (1, T + 1), generator=gen).to(device)
+               for T in lengths}
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                else contextlib.nullcontext())
+
+    def step(T: int) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        ids = batches[T]
+        with autocast:
+            loss = model(input_ids=ids[:, :-1], labels=ids[:, 1:]).loss
+        loss.backward()
+        return loss.detach()
+
+    with cs.Chameleon(None, device=device) as probe:
+        with probe.step():
+            step(longest)
+        natural = probe.last_step.peak_resident_bytes
+    budget = int(natural * a.fraction)
+    link = {} if a.emulate_link is None else {"emulate_link": a.emulate_link}
+    kept = sorted({min(k, n_blocks) for k in a.kept})
+    engines = {"plan": cs.Chameleon(budget, device=device, model=model, **link)}
+    for k in kept:
+        engines[f"keep {k}"] = forced(cs.Chameleon(budget, device=device, model=model, **link),
+                                      k, n_blocks)
+    modes = ["none", "full", *engines]
+
+    def run(mode: str, T: int):
+        with paused_hooks([e for m, e in engines.items() if m != mode]):
+            C.sync(device)
+            w0 = C.now()
+            if mode == "none":
+                loss = step(T)
+            elif mode == "full":
+                with H.checkpointed(model, selective=False):
+                    loss = step(T)
+            else:
+                with engines[mode].step():
+                    loss = step(T)
+            C.sync(device)
+            return loss, C.now() - w0
+
+    times = {(m, T): [] for m in modes for T in lengths}
+    ran: dict = {(m, T): set() for m in engines for T in lengths}   # block modes seen
+    held = exact = True
+    rounds = a.warmup + a.rounds
+    try:
+        with C.progress(rounds * len(lengths) * len(modes),
+                        f"forced mixes, {a.config} on {C.device_name(device)}") as advance:
+            for r in range(rounds):
+                for T in lengths:
+                    losses = {}
+                    for m in modes[r % len(modes):] + modes[:r % len(modes)]:
+                        losses[m], wall = run(m, T)
+                        if r >= a.warmup:
+                            times[m, T].append(wall)
+                        advance()
+                    exact &= all(torch.equal(losses["none"], v) for v in losses.values())
+                    held &= all(e.last_step.peak_resident_bytes <= budget
+                                for e in engines.values())
+                    if r >= a.warmup:
+                        for m, e in engines.items():
+                            ran[m, T].add(tuple(e.last_step.block_modes))
+    finally:
+        for e in engines.values():
+            e.close()
+    payload = {"benchmark": "mixes", "environment": C.environment(device),
+               "config": {"model": a.config, "lengths": lengths, "blocks": n_blocks,
+                          "fraction": a.fraction, "budget_bytes": budget,
+                          "natural_activation_peak_bytes": natural, "kept": kept,
+                          "rounds": a.rounds, "warmup": a.warmup,
+                          "emulated_link": a.emulate_link, "threads": torch.get_num_threads()},
+               "losses_bitwise_equal_across_modes": exact, "budget_held": held,
+               **summarize(times, modes, lengths, ran)}
+    md = markdown(payload)
+    path = C.write_results("mixes", device, payload, md, a.out)
+    if C.have_matplotlib():
+        plot(payload, path.with_suffix(".png"))
+    print(md)
+    print(f"wrote {path}")
+    return 0 if exact and held else 1
+
+
+def summarize(times: dict, modes: list, lengths: list, ran: dict) -> dict:
+    """Per length and pooled: each mode's step over none's and full's of the same round
+    (``ran``: (engine mode, length) -> the (keep, selective, full) counts its steps ran)."""
+    per_length, pooled = {}, {m: [] for m in modes}
+    for T in lengths:
+        none, full = times["none", T], times["full", T]
+        res = {}
+        for m in modes:
+            over_full = [x / f for x, f in zip(times[m, T], full)]
+            pooled[m] += over_full
+            res[m] = {"vs_none": C.median(x / b for x, b in zip(times[m, T], none)),
+                      "vs_full": C.median(over_full),
+                      "median_wall_s": C.median(times[m, T])}
+        forced = [m for m in modes if m.startswith("keep ")]
+        best = min(forced, key=lambda m: res[m]["vs_full"]) if forced else None
+        per_length[str(T)] = {
+            "modes": res,
+            "block_modes": {m: sorted(list(x) for x in ran[m, T])
+                            for m in modes if (m, T) in ran},
+            "best_forced": best,
+            "plan_over_best": (C.median(p / b for p, b in zip(times["plan", T], times[best, T]))
+                               if best else None)}
+    ceiling = [x for T in lengths if (b := per_length[str(T)]["best_forced"])
+               for x in (t / f for t, f in zip(times[b, T], times["full", T]))]
+    return {"per_length": per_length,
+            "pooled_vs_full": {m: C.median(v) for m, v in pooled.items()},
+            "ceiling_vs_full": C.median(ceiling) if ceiling else None}
+
+
+def markdown(payload: dict) -> str:
+    c, env = payload["config"], payload["environment"]
+    rows = []
+    for T, res in payload["per_length"].items():
+        for m, r in res["modes"].items():
+            note = ""
+            if m == res["best_forced"]:
+                note = "best forced"
+            elif m == "plan":
+                note = "mixes " + ", ".join(str(tuple(x)) for x in res["block_modes"]["plan"])
+                if res["plan_over_best"] is not None:
+                    note += f"; {res['plan_over_best']:.3f}x the best forced"
+            rows.append([T, m, r["vs_none"], r["vs_full"], r["median_wall_s"] * 1e3, note])
+    pooled = payload["pooled_vs_full"]
+    return (f"# Forced block mixes against the planner's\n\n{env['device_name']}, torch "
+            f"{env['torch']}, commit {env['commit']}; HF Llama {c['model']} ({c['blocks']} "
+            f"blocks), budget {cs.format_bytes(c['budget_bytes'])} ({c['fraction']:.0%} of "
+            f"{max(c['lengths'])} tokens' peak), link {c['emulated_link'] or 'real'}, "
+            f"{c['rounds']} timed rounds after {c['warmup']}; each mode's step over the plain "
+            f"step's and over full recomputation's of the same round (median); `keep K`: the "
+            f"last K blocks kept, the rest recomputed in full. Losses bitwise equal across "
+            f"modes: {payload['losses_bitwise_equal_across_modes']}; every engine step within "
+            f"its budget: {payload['budget_held']}.\n\n"
+            + C.markdown_table(["tokens", "mode", "x none", "x full", "step ms", ""], rows)
+            + f"\nPooled over the lengths (each step over full's of its round): the plan "
+            f"{pooled['plan']:.3f}x, the best forced mix of each length (the ceiling) "
+            f"{payload['ceiling_vs_full']:.3f}x.\n")
+
+
+def plot(payload: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    per = payload["per_length"]
+    lengths = list(per)
+    modes = [m for m in per[lengths[0]]["modes"] if m != "none"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(modes) * len(lengths) / 2), 3.6))
+    width = 0.8 / len(modes)
+    for i, m in enumerate(modes):
+        xs = [j + (i - (len(modes) - 1) / 2) * width for j in range(len(lengths))]
+        color = "#c66" if m == "full" else "#2a6" if m == "plan" else None
+        ax.bar(xs, [per[T]["modes"][m]["vs_full"] for T in lengths], width, label=m,
+               color=color)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(lengths)))
+    ax.set_xticklabels([f"{T} tokens" for T in lengths])
+    ax.set_ylabel("step / full recomputation's (median)")
+    ax.legend(fontsize=7, ncol=2)
+    c = payload["config"]
+    fig.suptitle(f"forced mixes at {c['fraction']:.0%}, {c['model']} on "
+                 f"{payload['environment']['device_name']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
