@@ -41,6 +41,8 @@
 #    budgets of 2.2-5.5 GiB;
 # 7. benchmarks/lean.py --device cuda: lean steps against the executor's path at 75% (8k and 12k
 #    tokens of the same Llama, with and without model=; 140 steps, never run on a GPU yet);
+# 8. benchmarks/mixes.py --device cuda: at 25% every forced block mix beside the planner's (144
+#    steps, about 2 minutes; never run on a GPU yet): whether 1.20x is in the mode space at all;
 # 0. benchmarks/pinning.py --device cuda (run first when named; never run on a GPU yet, under
 #    a minute): how fast the host pins (torch's way and by registering touched memory), whether
 #    pinning on another thread holds up launches, and copies out to unpinned memory. What the
@@ -48,8 +50,8 @@
 #
 # Everything lands in $OUT: one log per part and results.tgz holding the JSON, markdown and PNGs.
 # The limits (seconds) can be changed: HYBRID_S, DEMO_S, TESTS_S, CSAN_S, CAPPED_S, LEAN_S,
-# PINNING_S. PARTS names the parts to run (default "hybrid tests"; the others: pinning, demo,
-# csan, capped, lean). CSAN=1 runs every
+# MIXES_S, PINNING_S. PARTS names the parts to run (default "hybrid tests"; the others: pinning,
+# demo, csan, capped, lean, mixes). CSAN=1 runs every
 # CUDA test under the sanitizer: on an H200 that ran two tests in 150 s, too slow for a lease,
 # hence part 5.
 set -u
@@ -117,6 +119,9 @@ if want capped; then
 fi
 if want lean; then
     part lean "${LEAN_S:-150}" python3 benchmarks/lean.py --device cuda --out "$WORK/lean"
+fi
+if want mixes; then
+    part mixes "${MIXES_S:-150}" python3 benchmarks/mixes.py --device cuda --out "$WORK/mixes"
 fi
 
 stamp "done"
