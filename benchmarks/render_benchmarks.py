@@ -211,7 +211,8 @@ EMULATED = {"after-session20-256x8": "256x8 (c59b193)",
             "after-session25-256x8": "256x8 (397a830)",
             "after-session25-256x8-run2": "256x8 (397a830), run 2",
             "after-session26-256x8": "256x8 (9c373f7)",
-            "after-session26-256x8-run2": "256x8 (9c373f7), run 2"}
+            "after-session26-256x8-run2": "256x8 (9c373f7), run 2",
+            "after-session27-256x8": "256x8 (64c9cab)"}
 
 
 def emulated_block(results: Path) -> str:
