@@ -44,6 +44,37 @@ def test_the_planner_process_makes_the_plans_this_process_would():
     assert w._proc.wait(5) == 0               # it ended at the end of its input
 
 
+
+def test_the_worker_tells_how_long_it_had_jobs_since_a_moment():
+    # What tells a step that the planner process worked beside it (``step_end.
+    # planner_contended``): the time it had jobs, from a hand-over to the answer.
+    import time
+    a = _args(*gpu_keep_view("h4096-unreached-16384"), 0.25)
+    w = Worker()
+    try:
+        before = time.perf_counter()
+        assert w.busy_seconds(before) == 0.0          # nothing handed over yet
+        t0 = time.perf_counter()
+        tickets = [w.submit("plan_size", *a) for _ in range(3)]     # one run of three jobs
+        time.sleep(0.05)
+        assert w.busy_seconds(t0) >= 0.05              # still waiting: busy up to now
+        for t in tickets:
+            w.result(t)
+        t1 = time.perf_counter()
+        busy = w.busy_seconds(before)
+        assert 0.05 <= busy <= t1 - t0
+        assert w.busy_seconds(before) == busy           # nothing since: it does not grow
+        assert w.busy_seconds(t1) == 0.0
+        dropped = w.submit("plan_size", *a)
+        w.drop(dropped)                                 # a dropped job keeps it busy too
+        deadline = time.monotonic() + 60
+        while w._shared.waiting and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert w.busy_seconds(t1) > 0.0
+    finally:
+        w.close()
+
+
 def test_the_planner_process_runs_without_torch():
     # The stand-in package keeps the package's __init__ (and torch) out of the process.
     probe = background.BOOT.replace(

@@ -125,3 +125,36 @@ def test_planning_is_reported_apart_from_the_step(monkeypatch):
         assert st.step_seconds == st.host_seconds          # the CPU: the step without its end
         assert "planning " in str(st)
     assert eng.totals.planning_seconds == sum(s.planning_seconds for s in eng.history)
+
+
+def test_the_planner_contends_only_where_it_worked_and_no_core_is_spare(monkeypatch):
+    """``planner_contended``: the planner process had jobs for more than a tenth of the step
+    (``Worker.busy_seconds``), and the step's own threads plus the planner's need more cores
+    than there are (on the CPU: torch's compute threads and a copy worker; on a device, the
+    thread that launches its kernels)."""
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    from chameleon_swap.runtime import step_end
+
+    def worker(busy, broken=None):
+        return NS(busy_seconds=lambda since: busy, broken=broken)
+
+    def eng(w, device="cpu"):
+        return NS(_policy=NS(modes=NS(worker=w)), device=torch.device(device))
+    assert step_end._cores() >= 1                                  # the machine's own
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(step_end, "_cores", lambda: 2)
+    busy = worker(0.2)
+    assert step_end.planner_contended(eng(busy), 0.0, 1.0)        # 1 + copy + planner > 2
+    assert not step_end.planner_contended(eng(busy), 0.0, 3.0)    # under a tenth of the step
+    assert not step_end.planner_contended(eng(worker(0.0)), 0.0, 1.0)
+    assert not step_end.planner_contended(eng(worker(0.2, "closed")), 0.0, 1.0)
+    assert not step_end.planner_contended(eng(None), 0.0, 1.0)    # plans made in the step
+    assert not step_end.planner_contended(NS(_policy=NS(), device=torch.device("cpu")), 0, 1.0)
+    assert not step_end.planner_contended(eng(busy, "meta"), 0.0, 1.0)   # a device's: 1 + 1
+    monkeypatch.setattr(step_end, "_cores", lambda: 3)
+    assert not step_end.planner_contended(eng(busy), 0.0, 1.0)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert step_end.planner_contended(eng(busy), 0.0, 1.0)

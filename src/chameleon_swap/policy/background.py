@@ -36,7 +36,9 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 import weakref
+from collections import deque
 from typing import Optional
 
 CLOSE_WAIT_S = 0.5
@@ -58,6 +60,10 @@ class _Shared:
         self.done: dict[int, tuple] = {}        # ticket -> (seconds, ok, value)
         self.dropped: set[int] = set()          # tickets whose answers nobody will take
         self.broken: Optional[str] = None
+        self.waiting = 0                        # jobs handed over, not answered yet
+        self.busy_from = 0.0                    # ``time.perf_counter()`` when the last run of
+                                                # jobs began (one waiting since then)
+        self.busy = deque(maxlen=64)            # (from, to) of the runs of jobs since ended
 
 
 def _read(stdout, shared: _Shared) -> None:
@@ -66,6 +72,9 @@ def _read(stdout, shared: _Shared) -> None:
         while True:
             ticket, seconds, ok, value = pickle.load(stdout)
             with shared.cond:
+                shared.waiting -= 1
+                if shared.waiting == 0:
+                    shared.busy.append((shared.busy_from, time.perf_counter()))
                 if ticket in shared.dropped:
                     shared.dropped.discard(ticket)
                 else:
@@ -134,8 +143,24 @@ class Worker:
         except (pickle.PicklingError, AttributeError, TypeError) as e:
             self._fail(f"a job could not be handed to the planner process ({e})")
             return None
+        s = self._shared
+        with s.cond:
+            if s.waiting == 0:
+                s.busy_from = time.perf_counter()
+            s.waiting += 1
         self._jobs.put(job)
         return ticket
+
+    def busy_seconds(self, since: float) -> float:
+        """How long the process has had jobs to work on since ``since`` (a
+        ``time.perf_counter()`` reading): from a job's hand-over, or the answer before it
+        where it waited behind one, to its answer (the wall time: jobs run one at a time, and
+        a process that waits for a core is still one more thread asking for it)."""
+        s = self._shared
+        now = time.perf_counter()
+        with s.cond:
+            runs = list(s.busy) + ([(s.busy_from, now)] if s.waiting > 0 else [])
+        return sum(max(0.0, min(to, now) - max(fro, since)) for fro, to in runs)
 
     def ready(self, ticket: int) -> bool:
         """Whether ``result(ticket)`` would return at once."""

@@ -12,8 +12,9 @@ step's size.
 * Keep views (``keep_views``): the step as it is with every block kept, measured on a detailed
   step that ran so (the very first step does), else the nearest one scaled to the size. Timed
   steps in other mixes correct the view its size plans from, and the size is planned again. A
-  step slowed by the host arena's pinning (``checks.pinned``) teaches nothing but a first view
-  (the first of a row: a size whose steps pin every visit pays it, ``PlanChecks.exempt``).
+  step slowed by the host arena's pinning or by the planner process on its cores
+  (``checks.slowed``) teaches nothing but a first view (the first of a row: a size whose steps
+  are slowed every visit pays it, ``PlanChecks.exempt``).
   Planning again is rationed to ``PLANNING_SHARE`` of the steps' time (a thaw's plans are
   free), and a size whose replans keep choosing its mix waits 2, 4, 8... of its steps between
   them (``fruitless``): on the CPU demo each was 40-80 ms on 50-70 ms steps.
@@ -241,7 +242,8 @@ class BlockModes(SizePlans):
     # ------------------------------------------------------------------ step end
     def end_step(self, profile, calls: list, ok: bool, pinned: bool) -> None:
         """Learn from the step: a keep view, selective figures; plan its key when needed.
-        ``pinned``: the step is left out for its pinning (``PlanChecks.exempt``)."""
+        ``pinned``: the step is left out for its pinning or the planner beside it
+        (``PlanChecks.exempt``)."""
         if not ok or self.budget is None or self.key is None or not calls:
             return
         self.visits[self.key] = self.visits.get(self.key, 0) + 1

@@ -66,7 +66,7 @@ class PlanChecks:
         # link the steps do not run on, so no step can confirm or refute it.
         self.enabled = True
         self.move_measured: Optional[float] = None   # host seconds per moved span, timed
-        self.pinning: set = set()   # keys whose last step pinned (``exempt``)
+        self.pinning: set = set()   # keys whose last step was slowed (``exempt``)
 
     def move_seconds(self) -> float:
         """Host seconds one moved span costs the step, for the timeline (``move_seconds``): the
@@ -110,17 +110,17 @@ class PlanChecks:
 
     def exempt(self, profile, size: Optional[int] = None) -> bool:
         """Whether this step (of step size ``size`` with ``model=``, else of its signature) is
-        neither checked nor learnt from for its pinning (``pinned``): the first of a row of
-        steps of its size or signature that pinned. A key whose steps pin visit after visit
-        pays that on every step: it is what its plan costs, and left out every time, the plan
-        was never checked. On an H100 the capped schedule's selective steps each waited about
+        neither checked nor learnt from for what slowed it (``slowed``: its pinning, or the
+        planner process on its cores): the first of a row of steps of its size or signature
+        that were slowed so. A key whose steps pin visit after visit pays that on every step:
+        it is what its plan costs, and left out every time, the plan was never checked. On an H100 the capped schedule's selective steps each waited about
         1 s for the host arena, and in the GPU demo (HF Llama 2048x16) a 6k-token mix of
         selective blocks ran 1.25-2.18 s for seven visits where 0.27 s was predicted and was
         never planned again (whether those steps pinned, that run did not record)."""
-        key, now = ("modes", size) if size is not None else profile.signature, pinned(profile)
+        key, now = ("modes", size) if size is not None else profile.signature, slowed(profile)
         before = key in self.pinning
         if now:
-            self.pinning.add(key)      # (kept while it pins: as few as pinned steps)
+            self.pinning.add(key)      # (kept while slowed: as few as slowed steps)
         else:
             self.pinning.discard(key)
         return now and not before
@@ -167,6 +167,13 @@ class PlanChecks:
             out = [assumed[0] * f, assumed[1] * f]
         self.link = (float(out[0]), float(out[1]))
         return self.link
+
+
+def slowed(profile) -> bool:
+    """The step's times are not its plan's: it pinned (``pinned``), or the planner process
+    worked beside it on a machine with no core to spare (``runtime.step_end.planner_contended``,
+    in ``profile.extra``)."""
+    return pinned(profile) or bool(profile.extra.get("planner_contended"))
 
 
 def pinned(profile) -> bool:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 import time
 import warnings
 from collections import deque
@@ -70,6 +71,7 @@ def finish_step(eng, t0: float, budget: Optional[int], failed: bool,
         profile.extra["copy_cpu"] = eng._copy.take_cpu()
         # (time the host arena spent allocating during the step: ``policy.checks.pinned``)
         profile.extra["host_alloc_seconds"] = eng._pool.allocating_seconds(t0, time.perf_counter())
+        profile.extra["planner_contended"] = planner_contended(eng, t0, host_seconds)
         # A lean step's profile holds only the saves before its lean path: not its sequence.
         lean = ("tripped" if eng._policy.modes.tripped else "whole") if eng._lean_step else ""
         changed = _changed(eng, profile.ids, lean)
@@ -110,6 +112,32 @@ def finish_step(eng, t0: float, budget: Optional[int], failed: bool,
         _warn_foreign(eng, counters)
     finally:
         eng._in_step = False
+
+
+def planner_contended(eng, since: float, seconds: float) -> bool:
+    """Whether the engine's planner process (``policy/background.py``) had jobs to work on for
+    more than ``checks.MISS`` of the step (begun at ``since``, ``seconds`` long) on a machine
+    with no core to spare for it: the step's own threads (on the CPU its compute threads and a
+    copy worker, on a GPU the thread that launches its kernels) and the planner's would need
+    more cores than the process may run on. Such a step's time is partly the planner's
+    (``policy.checks.slowed``: it is not learnt from). Measured on this project's 2-core CPU
+    (the emulated-link benchmark's HF Llama 256x8 at 25%, three runs each way): a size's second
+    visit, while the first plans were being made, ran 0.66-0.71 s where its later steps ran
+    0.30-0.42 s, and 0.33-0.44 s with plans made on the step's thread instead."""
+    from ..policy.checks import MISS
+    worker = getattr(getattr(eng._policy, "modes", None), "worker", None)
+    if worker is None or worker.broken is not None or seconds <= 0:
+        return False
+    step_threads = torch.get_num_threads() + 1 if eng.device.type == "cpu" else 1
+    return step_threads + 1 > _cores() and worker.busy_seconds(since) > MISS * seconds
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):           # (not on Linux)
+        return os.cpu_count() or 1
 
 
 def _lean_profile(prof, n: int) -> None:
