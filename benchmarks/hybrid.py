@@ -166,6 +166,80 @@ def checkpointed(model, selective: bool):
                 layer.forward = f
 
 
+
+def add_budget_arguments(p, fraction: float, warmup: int) -> None:
+    """The arguments of the scripts that step this model at one budget (``lean.py``,
+    ``mixes.py``) but their own modes' and ``--rounds``; ``fraction`` and ``warmup``: the
+    defaults of ``--fraction`` (checked by ``check_budget_arguments``) and ``--warmup``."""
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    C.add_threads_argument(p)
+    p.add_argument("--config", default=None,
+                   help=f"hidden x layers, as hybrid.py's: {', '.join(GPU_CONFIGS)} (GPU), "
+                        f"{', '.join(CPU_CONFIGS)} (CPU)")
+    p.add_argument("--fraction", type=float, default=fraction,
+                   help="the budget as a share of the longest length's natural peak, in (0, 1]")
+    p.add_argument("--warmup", type=int, default=warmup, help="untimed rounds first")
+    p.add_argument("--emulate-link", default=None, metavar="BW",
+                   help="CPU only: the engines' copies run at this bandwidth (default 130MB/s)")
+    p.add_argument("--quick", action="store_true", help="a small model, few rounds (smoke run)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="results folder (default benchmarks/results)")
+
+def check_budget_arguments(p, a, rounds: tuple[int, int], quick_warmup: int) -> None:
+    """What the scripts that step this model at one budget (``lean.py``, ``mixes.py``) check and
+    default alike: ``--fraction`` in (0, 1], a CUDA device that is there, the emulated link
+    (130 MB/s by default on the CPU), ``--config`` (4096x8 on a GPU, 256x8 on the CPU; with
+    ``--quick`` 128x2 on the CPU, three rounds after ``quick_warmup``), ``--rounds`` (``rounds``:
+    the GPU's default, the CPU's), the threads."""
+    if not 0 < a.fraction <= 1:
+        p.error(f"--fraction must be a share of the natural peak in (0, 1]; got {a.fraction}")
+    cuda = a.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        p.error("--device cuda was given but torch.cuda.is_available() is False")
+    C.check_emulated_link(p, a, gpu=cuda)
+    if not cuda and a.emulate_link is None:
+        a.emulate_link = "130MB/s"
+    configs = GPU_CONFIGS if cuda else CPU_CONFIGS
+    if a.quick:
+        a.config = a.config or ("4096x8" if cuda else "128x2")
+        a.rounds, a.warmup = 3, quick_warmup
+    a.config = a.config or ("4096x8" if cuda else "256x8")
+    if a.rounds is None:
+        a.rounds = rounds[0] if cuda else rounds[1]
+    if a.config not in configs:
+        p.error(f"--config must be one of {', '.join(configs)} on {'cuda' if cuda else 'cpu'}; "
+                f"got {a.config!r}")
+    C.check_counts(p, a, ("rounds",))
+    C.apply_threads(a)
+
+
+def stepper(a, device):
+    """The model of ``a.config`` and what those scripts step it with: ``(model, cfg, lengths,
+    step, natural)``, the lengths sorted, ``step(T)`` one training step of a batch of ``T``
+    tokens (bf16 autocast on CUDA) returning its loss, and the longest length's natural
+    activation peak."""
+    model, cfg = build(a, device)
+    lengths = sorted(set(GPU_CONFIGS.get(a.config) or CPU_CONFIGS[a.config]))
+    gen = torch.Generator().manual_seed(1)
+    batches = {T: torch.randint(0, cfg.vocab_size, (1, T + 1), generator=gen).to(device)
+               for T in lengths}
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                else contextlib.nullcontext())
+
+    def step(T: int) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        ids = batches[T]
+        with autocast:
+            loss = model(input_ids=ids[:, :-1], labels=ids[:, 1:]).loss
+        loss.backward()
+        return loss.detach()
+
+    with cs.Chameleon(None, device=device) as probe:
+        with probe.step():
+            step(max(lengths))
+        natural = probe.last_step.peak_resident_bytes
+    return model, cfg, lengths, step, natural
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     device = torch.device(a.device)

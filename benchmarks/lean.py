@@ -33,7 +33,6 @@ and a markdown table next to it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
 from pathlib import Path
@@ -53,72 +52,22 @@ MODES = ("none", "hooks", "no budget", "lean", "executor path", "lean, no model"
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    C.add_threads_argument(p)
-    p.add_argument("--config", default=None,
-                   help=f"hidden x layers, as hybrid.py's: {', '.join(H.GPU_CONFIGS)} (GPU), "
-                        f"{', '.join(H.CPU_CONFIGS)} (CPU)")
+    H.add_budget_arguments(p, fraction=0.75, warmup=3)
     p.add_argument("--rounds", type=int, default=None,
                    help="timed rounds, each mode once a length (default 30 on the CPU, 7 on a "
                         "GPU: 140 steps with the warm-up; hybrid.py's H100 steps of this model "
                         "averaged 0.6 s)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
-    p.add_argument("--fraction", type=float, default=0.75,
-                   help="the budget as a share of the longest length's natural peak, in (0, 1]")
-    p.add_argument("--emulate-link", default=None, metavar="BW",
-                   help="CPU only: the engines' copies run at this bandwidth (default 130MB/s)")
-    p.add_argument("--quick", action="store_true", help="a small model, few rounds (smoke run)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="results folder (default benchmarks/results)")
     a = p.parse_args(argv)
-    if not 0 < a.fraction <= 1:
-        p.error(f"--fraction must be a share of the natural peak in (0, 1]; got {a.fraction}")
-    cuda = a.device.startswith("cuda")
-    if cuda and not torch.cuda.is_available():
-        p.error("--device cuda was given but torch.cuda.is_available() is False")
-    C.check_emulated_link(p, a, gpu=cuda)
-    if not cuda and a.emulate_link is None:
-        a.emulate_link = "130MB/s"
-    configs = H.GPU_CONFIGS if cuda else H.CPU_CONFIGS
-    if a.quick:
-        a.config = a.config or ("4096x8" if cuda else "128x2")
-        a.rounds, a.warmup = 3, 2
-    a.config = a.config or ("4096x8" if cuda else "256x8")
-    if a.rounds is None:
-        a.rounds = 7 if cuda else 30
-    if a.config not in configs:
-        p.error(f"--config must be one of {', '.join(configs)} on {'cuda' if cuda else 'cpu'}; "
-                f"got {a.config!r}")
-    C.check_counts(p, a, ("rounds",))
-    C.apply_threads(a)
+    H.check_budget_arguments(p, a, rounds=(7, 30), quick_warmup=2)
     return a
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
     device = torch.device(a.device)
-    model, cfg = H.build(a, device)
-    lengths = H.GPU_CONFIGS.get(a.config) or H.CPU_CONFIGS[a.config]
+    model, cfg, lengths, step, natural = H.stepper(a, device)
     longest = max(lengths)
-    timed_lengths = sorted(T for T in set(lengths) if T != longest)
-    gen = torch.Generator().manual_seed(1)
-    batches = {T: torch.randint(0, cfg.vocab_size, (1, T + 1), generator=gen).to(device)
-               for T in sorted(set(lengths))}
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-                else contextlib.nullcontext())
-
-    def step(T: int) -> torch.Tensor:
-        model.zero_grad(set_to_none=True)
-        ids = batches[T]
-        with autocast:
-            loss = model(input_ids=ids[:, :-1], labels=ids[:, 1:]).loss
-        loss.backward()
-        return loss.detach()
-
-    with cs.Chameleon(None, device=device) as probe:
-        with probe.step():
-            step(longest)
-        natural = probe.last_step.peak_resident_bytes
+    timed_lengths = [T for T in lengths if T != longest]
     budget = int(natural * a.fraction)
     link = {} if a.emulate_link is None else {"emulate_link": a.emulate_link}
     engines = {"no budget": cs.Chameleon(None, device=device),

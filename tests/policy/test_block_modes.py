@@ -1152,63 +1152,15 @@ def test_a_first_step_whose_slots_read_gaps_its_blocks_did_not_skews_no_ratio(mo
     assert sel is None or sel < 4, ratios
 
 
-def test_a_step_slowed_by_pinning_steers_no_plan(monkeypatch):
-    # The real clock, on the emulated link. On an H100 the first visit of a longer sequence
-    # grew the host arena, pinning for 2-16 s of a 0.5 s step (pinning holds up the step's
-    # kernel launches even from the arena's background thread); learnt from, its times made
-    # that size's plans predict 2.5-90 s for steps of 0.5-0.6 s. Here the second step (the
-    # first of the longest size) is made to read so: its timed compute multiplied by 20 as it
-    # is taken, and the arena reporting that it allocated through half of it. Read as pinned
-    # (``checks.pinned``), it teaches nothing and is checked against nothing; the next steps
-    # are, and from the fourth step on predictions hold (bounds as in the test above).
-    from chameleon_swap.copy.host_pool import HostPool
-    from chameleon_swap.policy import checks
-    from chameleon_swap.runtime import profiler as P
+def _second_step_slowed(monkeypatch) -> list:
+    """Each engine's second step read 20 times slow (its profile's compute, as it is taken);
+    returns a list that holds True from then until the caller pops it (to tell what slowed the
+    step). Per profiler (natural_peak's engines have their own), held weakly: keyed by id(), a
+    profiler collected after natural_peak could hand its count to the next one at its address
+    (a full suite once read the engine's first step as the second)."""
     import weakref
-    finish, allocating, flag = P.Profiler.finish, HostPool.allocating_seconds, []
-    # Per profiler (natural_peak's engines have their own), held weakly: keyed by id(), a
-    # profiler collected after natural_peak could hand its count to the next one at its address
-    # (a full suite once read the engine's first step as the second).
-    calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def slow_second(self, *args, **kwargs):
-        p = finish(self, *args, **kwargs)
-        n = calls[self] = calls.get(self, 0) + 1
-        if n == 2:
-            p.compute = [c * 20 for c in p.compute]
-            flag.append(True)
-        return p
-
-    def pinning(self, since, until):
-        return 0.5 * (until - since) if flag and flag.pop() else allocating(self, since, until)
-    monkeypatch.setattr(P.Profiler, "finish", slow_second)
-    monkeypatch.setattr(HostPool, "allocating_seconds", pinning)
-    model = tiny_llama(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=256)
-    batches = lm_batches(model, [128, 256, 192] * 3, B=4)
-    seen = []
-
-    def between(eng):
-        seen.append(checks.pinned(eng._profiler.last_profile))
-    history, _, budget = compare(model, batches, lambda peaks: int(max(peaks) * 0.25),
-                                 model_kwarg=True, emulate_link="200MB/s", between=between)
-    assert seen[1] and not any(seen[2:]), seen
-    off = [s.step_seconds / s.predicted_step_seconds for s in history[3:]]
-    assert all(1 / 3 < r < 3 for r in off), [round(r, 2) for r in off]
-    assert 2 / 3 < statistics.median(off) < 1.5, [round(r, 2) for r in off]
-
-
-
-def test_a_step_slowed_by_the_planner_on_its_cores_steers_no_plan(monkeypatch):
-    # The real clock, on the emulated link. On this project's 2-core CPU a size's second visit,
-    # run while the first plans were made in the planner process, took 0.66-0.71 s where its
-    # later steps took 0.30-0.42 s; learnt from at once, it moved the emulated-link benchmark's
-    # 256 tokens at 25% off its fastest mix. Here the second step is made to read 20 times slow
-    # and the planner to have shared its cores (``step_end.planner_contended``): read as slowed
-    # (``checks.slowed``), it teaches nothing and is checked against nothing.
-    from chameleon_swap.policy import checks
     from chameleon_swap.runtime import profiler as P
-    from chameleon_swap.runtime import step_end
-    import weakref
     finish, flag = P.Profiler.finish, []
     calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -1220,20 +1172,59 @@ def test_a_step_slowed_by_the_planner_on_its_cores_steers_no_plan(monkeypatch):
             flag.append(True)
         return p
     monkeypatch.setattr(P.Profiler, "finish", slow_second)
-    monkeypatch.setattr(step_end, "planner_contended",
-                        lambda eng, since, seconds: bool(flag and flag.pop()))
+    return flag
+
+
+def _only_the_second_step_is_left_out(read) -> None:
+    """Nine steps of three sizes at 25% on the emulated link: ``read`` (``checks.pinned`` or
+    ``slowed``) says the second step (``_second_step_slowed``) was slowed and no later one was,
+    and from the fourth step on the predictions hold."""
     model = tiny_llama(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=256)
     batches = lm_batches(model, [128, 256, 192] * 3, B=4)
     seen = []
 
     def between(eng):
-        seen.append(checks.slowed(eng._profiler.last_profile))
+        seen.append(read(eng._profiler.last_profile))
     history, _, budget = compare(model, batches, lambda peaks: int(max(peaks) * 0.25),
                                  model_kwarg=True, emulate_link="200MB/s", between=between)
     assert seen[1] and not any(seen[2:]), seen
     off = [s.step_seconds / s.predicted_step_seconds for s in history[3:]]
     assert all(1 / 3 < r < 3 for r in off), [round(r, 2) for r in off]
     assert 2 / 3 < statistics.median(off) < 1.5, [round(r, 2) for r in off]
+
+def test_a_step_slowed_by_pinning_steers_no_plan(monkeypatch):
+    # The real clock, on the emulated link. On an H100 the first visit of a longer sequence
+    # grew the host arena, pinning for 2-16 s of a 0.5 s step (pinning holds up the step's
+    # kernel launches even from the arena's background thread); learnt from, its times made
+    # that size's plans predict 2.5-90 s for steps of 0.5-0.6 s. Here the second step (the
+    # first of the longest size) is made to read so: its timed compute multiplied by 20 as it
+    # is taken, and the arena reporting that it allocated through half of it. Read as pinned
+    # (``checks.pinned``), it teaches nothing and is checked against nothing; the next steps
+    # are, and from the fourth step on predictions hold (bounds as in the test above).
+    from chameleon_swap.copy.host_pool import HostPool
+    from chameleon_swap.policy import checks
+    allocating, flag = HostPool.allocating_seconds, _second_step_slowed(monkeypatch)
+
+    def pinning(self, since, until):
+        return 0.5 * (until - since) if flag and flag.pop() else allocating(self, since, until)
+    monkeypatch.setattr(HostPool, "allocating_seconds", pinning)
+    _only_the_second_step_is_left_out(checks.pinned)
+
+
+
+def test_a_step_slowed_by_the_planner_on_its_cores_steers_no_plan(monkeypatch):
+    # The real clock, on the emulated link. On this project's 2-core CPU a size's second visit,
+    # run while the first plans were made in the planner process, took 0.66-0.71 s where its
+    # later steps took 0.30-0.42 s; learnt from at once, it moved the emulated-link benchmark's
+    # 256 tokens at 25% off its fastest mix. Here the second step is made to read 20 times slow
+    # and the planner to have shared its cores (``step_end.planner_contended``): read as slowed
+    # (``checks.slowed``), it teaches nothing and is checked against nothing.
+    from chameleon_swap.policy import checks
+    from chameleon_swap.runtime import step_end
+    flag = _second_step_slowed(monkeypatch)
+    monkeypatch.setattr(step_end, "planner_contended",
+                        lambda eng, since, seconds: bool(flag and flag.pop()))
+    _only_the_second_step_is_left_out(checks.slowed)
 
 @pytest.mark.usefixtures("plans_land_by_the_next_step")
 def test_every_size_plans_from_a_view_of_its_own_once_a_timed_step_confirmed_it():
