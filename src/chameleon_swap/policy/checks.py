@@ -113,10 +113,11 @@ class PlanChecks:
         neither checked nor learnt from for what slowed it (``slowed``: its pinning, or the
         planner process on its cores): the first of a row of steps of its size or signature
         that were slowed so. A key whose steps pin visit after visit pays that on every step:
-        it is what its plan costs, and left out every time, the plan was never checked. On an H100 the capped schedule's selective steps each waited about
-        1 s for the host arena, and in the GPU demo (HF Llama 2048x16) a 6k-token mix of
-        selective blocks ran 1.25-2.18 s for seven visits where 0.27 s was predicted and was
-        never planned again (whether those steps pinned, that run did not record)."""
+        it is what its plan costs, and left out every time, the plan was never checked. On an
+        H100 the capped schedule's selective steps each waited about 1 s for the host arena,
+        and in the GPU demo (HF Llama 2048x16) a 6k-token mix of selective blocks ran 1.25-2.18
+        s for seven visits where 0.27 s was predicted and was never planned again (whether
+        those steps pinned, that run did not record)."""
         key, now = ("modes", size) if size is not None else profile.signature, slowed(profile)
         before = key in self.pinning
         if now:

@@ -121,9 +121,10 @@ def planner_contended(eng, since: float, seconds: float) -> bool:
     copy worker, on a GPU the thread that launches its kernels) and the planner's would need
     more cores than the process may run on. Such a step's time is partly the planner's
     (``policy.checks.slowed``: it is not learnt from). Measured on this project's 2-core CPU
-    (the emulated-link benchmark's HF Llama 256x8 at 25%, three runs each way): a size's second
-    visit, while the first plans were being made, ran 0.66-0.71 s where its later steps ran
-    0.30-0.42 s, and 0.33-0.44 s with plans made on the step's thread instead."""
+    (the emulated-link benchmark's HF Llama 256x8 at 25%, three short runs each way): with the
+    planner process, 256 tokens' second visit, while the first plans were being made, ran
+    0.66-0.71 s in two runs (in the third the swap-only engine's did, 0.67 s) where later steps
+    ran 0.30-0.42 s; with plans made on the step's thread, 0.33-0.44 s in all three."""
     from ..policy.checks import MISS
     worker = getattr(getattr(eng._policy, "modes", None), "worker", None)
     if worker is None or worker.broken is not None or seconds <= 0:
