@@ -1223,7 +1223,7 @@ def test_a_step_slowed_by_the_planner_on_its_cores_steers_no_plan(monkeypatch):
     from chameleon_swap.runtime import step_end
     flag = _second_step_slowed(monkeypatch)
     monkeypatch.setattr(step_end, "planner_contended",
-                        lambda eng, since, seconds: bool(flag and flag.pop()))
+                        lambda eng, since: 1e9 if flag and flag.pop() else 0.0)
     _only_the_second_step_is_left_out(checks.slowed)
 
 @pytest.mark.usefixtures("plans_land_by_the_next_step")

@@ -171,10 +171,11 @@ class PlanChecks:
 
 
 def slowed(profile) -> bool:
-    """The step's times are not its plan's: it pinned (``pinned``), or the planner process
-    worked beside it on a machine with no core to spare (``runtime.step_end.planner_contended``,
-    in ``profile.extra``)."""
-    return pinned(profile) or bool(profile.extra.get("planner_contended"))
+    """The step's times are not its plan's: it pinned (``pinned``), or the planner process had
+    jobs beside it, on a machine with no core to spare for it, for more than ``MISS`` of the
+    step (``runtime.step_end.planner_contended``, in ``profile.extra``)."""
+    step = profile.step_seconds
+    return pinned(profile) or bool(step) and profile.extra.get("planner_seconds", 0.0) > MISS * step
 
 
 def pinned(profile) -> bool:

@@ -71,7 +71,8 @@ def finish_step(eng, t0: float, budget: Optional[int], failed: bool,
         profile.extra["copy_cpu"] = eng._copy.take_cpu()
         # (time the host arena spent allocating during the step: ``policy.checks.pinned``)
         profile.extra["host_alloc_seconds"] = eng._pool.allocating_seconds(t0, time.perf_counter())
-        profile.extra["planner_contended"] = planner_contended(eng, t0, host_seconds)
+        # (time the planner process had jobs beside it, where it had no core of its own)
+        profile.extra["planner_seconds"] = planner_contended(eng, t0)    # (``checks.slowed``)
         # A lean step's profile holds only the saves before its lean path: not its sequence.
         lean = ("tripped" if eng._policy.modes.tripped else "whole") if eng._lean_step else ""
         changed = _changed(eng, profile.ids, lean)
@@ -114,23 +115,23 @@ def finish_step(eng, t0: float, budget: Optional[int], failed: bool,
         eng._in_step = False
 
 
-def planner_contended(eng, since: float, seconds: float) -> bool:
-    """Whether the engine's planner process (``policy/background.py``) had jobs to work on for
-    more than ``checks.MISS`` of the step (begun at ``since``, ``seconds`` long) on a machine
-    with no core to spare for it: the step's own threads (on the CPU its compute threads and a
-    copy worker, on a GPU the thread that launches its kernels) and the planner's would need
-    more cores than the process may run on. Such a step's time is partly the planner's
-    (``policy.checks.slowed``: it is not learnt from). Measured on this project's 2-core CPU
-    (the emulated-link benchmark's HF Llama 256x8 at 25%, three short runs each way): with the
-    planner process, 256 tokens' second visit, while the first plans were being made, ran
-    0.66-0.71 s in two runs (in the third the swap-only engine's did, 0.67 s) where later steps
-    ran 0.30-0.42 s; with plans made on the step's thread, 0.33-0.44 s in all three."""
-    from ..policy.checks import MISS
+def planner_contended(eng, since: float) -> float:
+    """How long the engine's planner process (``policy/background.py``) had jobs to work on
+    since ``since`` (the step's start) on a machine with no core to spare for it: the step's
+    own threads (on the CPU its compute threads and a copy worker, on a GPU the thread that
+    launches its kernels) and the planner's would need more cores than the process may run on;
+    0.0 where they would not, or where there is no planner process. Over a tenth of the step,
+    the step's time is partly the planner's (``policy.checks.slowed``: it is not learnt from).
+    Measured on this project's 2-core CPU (the emulated-link benchmark's HF Llama 256x8 at 25%,
+    three short runs each way): with the planner process, 256 tokens' second visit, while the
+    first plans were being made, ran 0.66-0.71 s in two runs (in the third the swap-only
+    engine's did, 0.67 s) where later steps ran 0.30-0.42 s; with plans made on the step's
+    thread, 0.33-0.44 s in all three."""
     worker = getattr(getattr(eng._policy, "modes", None), "worker", None)
-    if worker is None or worker.broken is not None or seconds <= 0:
-        return False
+    if worker is None or worker.broken is not None:
+        return 0.0
     step_threads = torch.get_num_threads() + 1 if eng.device.type == "cpu" else 1
-    return step_threads + 1 > _cores() and worker.busy_seconds(since) > MISS * seconds
+    return worker.busy_seconds(since) if step_threads + 1 > _cores() else 0.0
 
 
 def _cores() -> int:
