@@ -220,7 +220,10 @@ def test_on_the_real_clock_plans_go_to_the_process_after_one_made_here_ran_long(
         return entry
     monkeypatch.setattr(SwapJobs, "make", make)
     model = tiny_llama(dim=64, n_layers=3, max_seq_len=256)
-    compare(model, lm_batches(model, [96, 160, 128, 64] * 3), 0.3, model_kwarg=True,
+    # At 20% of the peak the guard steps in on some steps, which asks for swap plans after the
+    # first; at 30% a run could find the first plan holding every later step (by keys) and ask
+    # for none (1 call in 4 runs alone, and in a full suite): nothing to hand over.
+    compare(model, lm_batches(model, [96, 160, 128, 64] * 3), 0.2, model_kwarg=True,
             emulate_link="200MB/s")
     assert calls and not calls[0][2]                        # the first is made here
     for (slow, free, inflight), took, handed, slow_after in calls:
