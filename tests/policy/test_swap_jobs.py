@@ -220,11 +220,17 @@ def test_on_the_real_clock_plans_go_to_the_process_after_one_made_here_ran_long(
         return entry
     monkeypatch.setattr(SwapJobs, "make", make)
     model = tiny_llama(dim=64, n_layers=3, max_seq_len=256)
-    # At 20% of the peak the guard steps in on some steps, which asks for swap plans after the
-    # first; at 30% a run could find the first plan holding every later step (by keys) and ask
-    # for none (1 call in 4 runs alone, and in a full suite): nothing to hand over.
-    compare(model, lm_batches(model, [96, 160, 128, 64] * 3), 0.2, model_kwarg=True,
-            emulate_link="200MB/s")
+    batches = lm_batches(model, [96, 160, 128, 64] * 3)
+    steps = []
+
+    def between(eng):
+        # A run can find its first plan holding every later step (by keys) and ask for no
+        # other (at 30% of the peak 1 run in 4 alone; at 20% none in 12 alone, yet in the policy
+        # suite): the last step then asks for its own plan again, once, as a miss would.
+        steps.append(eng)
+        if len(steps) == len(batches) and len(calls) < 2:
+            eng._policy.swap_jobs.make(eng._policy, eng._profiler.last_profile)
+    compare(model, batches, 0.2, model_kwarg=True, emulate_link="200MB/s", between=between)
     assert calls and not calls[0][2]                        # the first is made here
     for (slow, free, inflight), took, handed, slow_after in calls:
         if inflight:
@@ -236,7 +242,9 @@ def test_on_the_real_clock_plans_go_to_the_process_after_one_made_here_ran_long(
             assert took > 0.001 if slow_after else took < 0.001 + 0.005, (took, slow_after)
     # (tolerance one way only: ``took`` is timed around the call, the rule's time inside it, so
     # a call under the threshold inside can read up to a few ms more here on a busy machine)
-    assert any(handed for *_, handed, _ in calls), "no plan here took over 1 ms: nothing went"
+    assert any(handed for *_, handed, _ in calls), (
+        "no plan here took over 1 ms: nothing went",
+        [(before, round(took * 1e3, 2), handed) for before, took, handed, _ in calls])
 
 
 def test_on_the_real_clock_a_plan_over_its_share_of_the_step_sends_the_next_ones(monkeypatch):
