@@ -47,7 +47,7 @@ def test_the_planner_process_makes_the_plans_this_process_would():
 
 def test_the_worker_tells_how_long_it_had_jobs_since_a_moment():
     # What tells a step that the planner process worked beside it (``step_end.
-    # planner_contended``): the time it had jobs, from a hand-over to the answer.
+    # planner_busy_seconds``): the time it had jobs, from a hand-over to the answer.
     import time
     a = _args(*gpu_keep_view("h4096-unreached-16384"), 0.25)
     w = Worker()

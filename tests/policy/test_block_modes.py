@@ -1217,12 +1217,12 @@ def test_a_step_slowed_by_the_planner_on_its_cores_steers_no_plan(monkeypatch):
     # run while the first plans were made in the planner process, took 0.66-0.71 s where its
     # later steps took 0.30-0.42 s; learnt from at once, it moved the emulated-link benchmark's
     # 256 tokens at 25% off its fastest mix. Here the second step is made to read 20 times slow
-    # and the planner to have shared its cores (``step_end.planner_contended``): read as slowed
+    # and the planner to have shared its cores (``step_end.planner_busy_seconds``): read as slowed
     # (``checks.slowed``), it teaches nothing and is checked against nothing.
     from chameleon_swap.policy import checks
     from chameleon_swap.runtime import step_end
     flag = _second_step_slowed(monkeypatch)
-    monkeypatch.setattr(step_end, "planner_contended",
+    monkeypatch.setattr(step_end, "planner_busy_seconds",
                         lambda eng, since: 1e9 if flag and flag.pop() else 0.0)
     _only_the_second_step_is_left_out(checks.slowed)
 

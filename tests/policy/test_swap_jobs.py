@@ -195,7 +195,7 @@ def _steps_checked_beside_the_planner(monkeypatch) -> None:
     first mode plans were made, were what asked for the swap plans these tests watch, and with
     them left out a run could ask for one plan only (2 runs of 4 here)."""
     from chameleon_swap.runtime import step_end
-    monkeypatch.setattr(step_end, "planner_contended", lambda eng, since: 0.0)
+    monkeypatch.setattr(step_end, "planner_busy_seconds", lambda eng, since: 0.0)
 
 def test_on_the_real_clock_plans_go_to_the_process_after_one_made_here_ran_long(monkeypatch):
     # The twin of the stub-clock test above: the real clock, the emulated link, the engine's own

@@ -128,7 +128,7 @@ def test_planning_is_reported_apart_from_the_step(monkeypatch):
 
 
 def test_the_planner_contends_only_where_no_core_is_spare(monkeypatch):
-    """``planner_contended``: how long the planner process had jobs since the step began
+    """``planner_busy_seconds``: how long the planner process had jobs since the step began
     (``Worker.busy_seconds``), where the step's own threads plus the planner's need more cores
     than there are (on the CPU: torch's compute threads and a copy worker; on a device, the
     thread that launches its kernels); else 0. ``checks.slowed`` reads it against the step."""
@@ -148,15 +148,15 @@ def test_the_planner_contends_only_where_no_core_is_spare(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     monkeypatch.setattr(step_end, "_cores", lambda: 2)
     busy = worker(0.2)
-    assert step_end.planner_contended(eng(busy), 0.0) == 0.2       # 1 + copy + planner > 2
-    assert step_end.planner_contended(eng(worker(0.2, "closed")), 0.0) == 0.0
-    assert step_end.planner_contended(eng(None), 0.0) == 0.0       # plans made in the step
-    assert step_end.planner_contended(NS(_policy=NS(), device=torch.device("cpu")), 0.0) == 0
-    assert step_end.planner_contended(eng(busy, "meta"), 0.0) == 0.0   # a device's: 1 + 1
+    assert step_end.planner_busy_seconds(eng(busy), 0.0) == 0.2       # 1 + copy + planner > 2
+    assert step_end.planner_busy_seconds(eng(worker(0.2, "closed")), 0.0) == 0.0
+    assert step_end.planner_busy_seconds(eng(None), 0.0) == 0.0       # plans made in the step
+    assert step_end.planner_busy_seconds(NS(_policy=NS(), device=torch.device("cpu")), 0.0) == 0
+    assert step_end.planner_busy_seconds(eng(busy, "meta"), 0.0) == 0.0   # a device's: 1 + 1
     monkeypatch.setattr(step_end, "_cores", lambda: 3)
-    assert step_end.planner_contended(eng(busy), 0.0) == 0.0
+    assert step_end.planner_busy_seconds(eng(busy), 0.0) == 0.0
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    assert step_end.planner_contended(eng(busy), 0.0) == 0.2
+    assert step_end.planner_busy_seconds(eng(busy), 0.0) == 0.2
     # Read against the step: more than a tenth of it is slowed.
     for seconds, slowed in ((0.11, True), (0.09, False), (0.0, False)):
         profile = NS(step_seconds=1.0, extra={"planner_seconds": seconds})

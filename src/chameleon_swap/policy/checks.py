@@ -173,9 +173,8 @@ class PlanChecks:
 def slowed(profile) -> bool:
     """The step's times are not its plan's: it pinned (``pinned``), or the planner process had
     jobs beside it, on a machine with no core to spare for it, for more than ``MISS`` of the
-    step (``runtime.step_end.planner_contended``, in ``profile.extra``)."""
-    step = profile.step_seconds
-    return pinned(profile) or bool(step) and profile.extra.get("planner_seconds", 0.0) > MISS * step
+    step (``runtime.step_end.planner_busy_seconds``, in ``profile.extra``)."""
+    return pinned(profile) or _over_miss(profile, "planner_seconds")
 
 
 def pinned(profile) -> bool:
@@ -186,8 +185,13 @@ def pinned(profile) -> bool:
     from figures 10-20x too slow, and the link fitted to its stall read up to 256 times too
     slow (a prediction of 90 s for a step of 0.6 s). Neither the step nor its keep view is
     checked or learnt from (``check_step``, ``BlockModes.end_step``); the next step is."""
+    return _over_miss(profile, "host_alloc_seconds")
+
+
+def _over_miss(profile, key: str) -> bool:
+    """Seconds ``profile.extra[key]`` over ``MISS`` of the step's time (False where unknown)."""
     step = profile.step_seconds
-    return bool(step) and profile.extra.get("host_alloc_seconds", 0.0) > MISS * step
+    return bool(step) and profile.extra.get(key, 0.0) > MISS * step
 
 
 def fit_factor(stall_at: Callable[[float], float], target: float, lo: float = 1 / 256,

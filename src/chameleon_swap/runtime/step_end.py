@@ -72,7 +72,7 @@ def finish_step(eng, t0: float, budget: Optional[int], failed: bool,
         # (time the host arena spent allocating during the step: ``policy.checks.pinned``)
         profile.extra["host_alloc_seconds"] = eng._pool.allocating_seconds(t0, time.perf_counter())
         # (time the planner process had jobs beside it, where it had no core of its own)
-        profile.extra["planner_seconds"] = planner_contended(eng, t0)    # (``checks.slowed``)
+        profile.extra["planner_seconds"] = planner_busy_seconds(eng, t0)    # (``checks.slowed``)
         # A lean step's profile holds only the saves before its lean path: not its sequence.
         lean = ("tripped" if eng._policy.modes.tripped else "whole") if eng._lean_step else ""
         changed = _changed(eng, profile.ids, lean)
@@ -115,7 +115,7 @@ def finish_step(eng, t0: float, budget: Optional[int], failed: bool,
         eng._in_step = False
 
 
-def planner_contended(eng, since: float) -> float:
+def planner_busy_seconds(eng, since: float) -> float:
     """How long the engine's planner process (``policy/background.py``) had jobs to work on
     since ``since`` (the step's start) on a machine with no core to spare for it: the step's
     own threads (on the CPU its compute threads and a copy worker, on a GPU the thread that
