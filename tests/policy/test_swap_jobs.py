@@ -197,6 +197,7 @@ def _steps_checked_beside_the_planner(monkeypatch) -> None:
     from chameleon_swap.runtime import step_end
     monkeypatch.setattr(step_end, "planner_busy_seconds", lambda eng, since: 0.0)
 
+
 def test_on_the_real_clock_plans_go_to_the_process_after_one_made_here_ran_long(monkeypatch):
     # The twin of the stub-clock test above: the real clock, the emulated link, the engine's own
     # planner process, a threshold of 1 ms (a plan of this Llama takes longer on this CPU). Each
@@ -277,3 +278,24 @@ def test_on_the_real_clock_a_plan_over_its_share_of_the_step_sends_the_next_ones
         # (``took`` is timed around the call, the rule's time inside it: one way only)
         assert took > limit if slow_after else took < limit + 0.005, (took, step, slow_after)
     assert any(handed for _, _, handed, _, _ in calls), "no plan went to the process"
+
+
+def test_a_plan_from_a_slowed_step_is_made_again_and_predicts_unless_the_arena_pinned():
+    # ``entry_of``: a step exempt for what slowed it gives a plan that is made again from the
+    # next detailed step. Slowed by the planner process, its prediction stands (it reads high,
+    # never a miss: a step that applied such a plan once reported none, failing the rule that
+    # every plan carries one); slowed by the host arena's pinning, its figures are 10-20x off
+    # and it predicts nothing.
+    def profile(**extra):
+        return SimpleNamespace(signature="s", ids=[1, 2], keys=["a", "b"], n_forward=2,
+                               use_slot=[3, 2], n_slots=4, nbytes=[8, 8], detailed=True,
+                               blocks=[], step_seconds=0.5, extra=extra)
+    predicted = SimpleNamespace(stall_seconds=0.1, peak_bytes=8, total_seconds=0.6)
+    plan = SimpleNamespace(move=[0], fetch_at={}, predicted=predicted, budget=16)
+    clean = swap_jobs.entry_of(profile(), plan, 3, slowed=False)
+    by_planner = swap_jobs.entry_of(profile(planner_seconds=0.4), plan, 3, slowed=True)
+    by_arena = swap_jobs.entry_of(profile(host_alloc_seconds=0.4), plan, 3, slowed=True)
+    assert clean.detailed and clean.predicted_step_seconds == 0.6
+    assert not by_planner.detailed and by_planner.predicted_step_seconds == 0.6
+    assert not by_arena.detailed and by_arena.predicted_step_seconds == 0.0
+    assert clean.move == by_planner.move == by_arena.move == [True, False]

@@ -28,6 +28,7 @@ from typing import Optional
 
 from ..planning.cache import PlanEntry, compile_mix, compile_plan
 from ..planning.signatures import step_size
+from . import checks
 
 BACKGROUND_SECONDS = 0.02   # a plan made here that took longer sends the next ones to the process
 BACKGROUND_SHARE = 0.05     # ... as does one that took more than this share of its step
@@ -38,11 +39,19 @@ BEHIND_STEPS = 2            # a job unanswered for more steps than this: the pro
                             # (a starved or loaded machine), and plans are made here meanwhile
 
 
-def entry_of(profile, tl_plan, step: int, pinned: bool) -> PlanEntry:
-    """The cache entry of swap plan ``tl_plan``, made from ``profile`` at step ``step``."""
+def entry_of(profile, tl_plan, step: int, slowed: bool) -> PlanEntry:
+    """The cache entry of swap plan ``tl_plan``, made from ``profile`` at step ``step``.
+    ``slowed``: the step is exempt for what slowed it (``PlanChecks.exempt``); its plan is made
+    again from the next detailed step. Where the host arena's pinning slowed it, its figures
+    are 10-20x off and the plan predicts nothing (``checks.pinned``); where the planner process
+    did, the plan keeps its prediction: it reads high, never a miss, and every plan a step
+    applies carries one (a 4-block Llama at 25% on 50 MB/s, with the process busy through most
+    of its second step: its third step reported none)."""
     entry = compile_plan(profile, tl_plan, step)
-    if pinned:          # timed while pinning: planned again, and it predicts nothing
-        entry.detailed, entry.predicted_step_seconds = False, 0.0
+    if slowed:
+        entry.detailed = False
+        if checks.pinned(profile):
+            entry.predicted_step_seconds = 0.0
     if profile.blocks:
         entry.modes = {}
         for c in profile.blocks:
@@ -107,7 +116,7 @@ class SwapJobs:
     """The swap plans a policy has handed to the planner process, by signature."""
 
     def __init__(self) -> None:
-        # signature -> (ticket, profile, step, pinned, again): ``again`` is None for a first
+        # signature -> (ticket, profile, step, slowed, again): ``again`` is None for a first
         # plan, else the ``detailed`` of the plan it is made again for (``make``)
         self.pending: dict[str, tuple] = {}
         self.slow = False                       # the last plan made here took too long
@@ -151,7 +160,7 @@ class SwapJobs:
     def land(self, policy) -> None:
         """Cache the plans the process has made (called at a step's end, before it plans)."""
         worker = policy.modes.worker        # (none: nothing was ever handed over)
-        for sig, (ticket, profile, step, pinned, again) in list(self.pending.items()):
+        for sig, (ticket, profile, step, slowed, again) in list(self.pending.items()):
             if not worker.ready(ticket):
                 continue
             del self.pending[sig]
@@ -162,7 +171,7 @@ class SwapJobs:
             self.seconds += seconds
             newer = policy.cache.peek(sig)
             if newer is None or newer.made_at <= step:
-                entry = entry_of(profile, tl_plan, step, pinned)
+                entry = entry_of(profile, tl_plan, step, slowed)
                 policy.cache.put(entry if again is None else _again(entry, again))
 
 
