@@ -1152,12 +1152,13 @@ def test_a_first_step_whose_slots_read_gaps_its_blocks_did_not_skews_no_ratio(mo
     assert sel is None or sel < 4, ratios
 
 
-def _second_step_slowed(monkeypatch) -> list:
-    """Each engine's second step read 20 times slow (its profile's compute, as it is taken);
-    returns a list that holds True from then until the caller pops it (to tell what slowed the
-    step). Per profiler (natural_peak's engines have their own), held weakly: keyed by id(), a
-    profiler collected after natural_peak could hand its count to the next one at its address
-    (a full suite once read the engine's first step as the second)."""
+def _second_step_slowed(monkeypatch, at: tuple = (2,)) -> list:
+    """Each engine's second step (its steps ``at``, counted from 1) read 20 times slow (its
+    profile's compute, as it is taken); returns a list that holds True from then until the
+    caller pops it (to tell what slowed the step). Per profiler (natural_peak's engines have
+    their own), held weakly: keyed by id(), a profiler collected after natural_peak could hand
+    its count to the next one at its address (a full suite once read the engine's first step as
+    the second)."""
     import weakref
 
     from chameleon_swap.runtime import profiler as P
@@ -1167,7 +1168,7 @@ def _second_step_slowed(monkeypatch) -> list:
     def slow_second(self, *args, **kwargs):
         p = finish(self, *args, **kwargs)
         n = calls[self] = calls.get(self, 0) + 1
-        if n == 2:
+        if n in at:
             p.compute = [c * 20 for c in p.compute]
             flag.append(True)
         return p
@@ -1175,22 +1176,25 @@ def _second_step_slowed(monkeypatch) -> list:
     return flag
 
 
-def _only_the_second_step_is_left_out(read) -> None:
-    """Nine steps of three sizes at 25% on the emulated link: ``read`` (``checks.pinned`` or
-    ``slowed``) says the second step (``_second_step_slowed``) was slowed and no later one was,
-    and from the fourth step on the predictions hold."""
+def _only_the_second_step_is_left_out(read, lengths=(128, 256, 192), slowed=(1,)) -> None:
+    """Nine steps of three sizes (``lengths``, three times) at 25% on the emulated link:
+    ``read(engine)`` (``checks.pinned`` or ``contended`` of its last profile, or whether the
+    policy left the step out) says the second step (the steps ``slowed``, counted from 0:
+    ``_second_step_slowed``) was slowed and no other was, and from the step after the last
+    slowed one on, the predictions hold."""
     model = tiny_llama(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=256)
-    batches = lm_batches(model, [128, 256, 192] * 3, B=4)
+    batches = lm_batches(model, list(lengths) * 3, B=4)
     seen = []
 
     def between(eng):
-        seen.append(read(eng._profiler.last_profile))
+        seen.append(read(eng))
     history, _, budget = compare(model, batches, lambda peaks: int(max(peaks) * 0.25),
                                  model_kwarg=True, emulate_link="200MB/s", between=between)
-    assert seen[1] and not any(seen[2:]), seen
-    off = [s.step_seconds / s.predicted_step_seconds for s in history[3:]]
+    assert [i for i, s in enumerate(seen) if s] == list(slowed), seen
+    off = [s.step_seconds / s.predicted_step_seconds for s in history[max(slowed) + 2:]]
     assert all(1 / 3 < r < 3 for r in off), [round(r, 2) for r in off]
     assert 2 / 3 < statistics.median(off) < 1.5, [round(r, 2) for r in off]
+
 
 def test_a_step_slowed_by_pinning_steers_no_plan(monkeypatch):
     # The real clock, on the emulated link. On an H100 the first visit of a longer sequence
@@ -1208,7 +1212,7 @@ def test_a_step_slowed_by_pinning_steers_no_plan(monkeypatch):
     def pinning(self, since, until):
         return 0.5 * (until - since) if flag and flag.pop() else allocating(self, since, until)
     monkeypatch.setattr(HostPool, "allocating_seconds", pinning)
-    _only_the_second_step_is_left_out(checks.pinned)
+    _only_the_second_step_is_left_out(lambda eng: checks.pinned(eng._profiler.last_profile))
 
 
 
@@ -1218,13 +1222,29 @@ def test_a_step_slowed_by_the_planner_on_its_cores_steers_no_plan(monkeypatch):
     # later steps took 0.30-0.42 s; learnt from at once, it moved the emulated-link benchmark's
     # 256 tokens at 25% off its fastest mix. Here the second step is made to read 20 times slow
     # and the planner to have shared its cores (``step_end.planner_busy_seconds``): read as slowed
-    # (``checks.slowed``), it teaches nothing and is checked against nothing.
+    # (``checks.contended``), it teaches nothing and is checked against nothing.
     from chameleon_swap.policy import checks
     from chameleon_swap.runtime import step_end
     flag = _second_step_slowed(monkeypatch)
     monkeypatch.setattr(step_end, "planner_busy_seconds",
                         lambda eng, since: 1e9 if flag and flag.pop() else 0.0)
-    _only_the_second_step_is_left_out(checks.slowed)
+    _only_the_second_step_is_left_out(lambda eng: checks.contended(eng._profiler.last_profile))
+
+
+def test_steps_of_one_size_slowed_by_the_planner_in_a_row_steer_no_plan(monkeypatch):
+    # The real clock, on the emulated link. The planner process works beside a size's first
+    # visits in a row: in the emulated-link benchmark (HF Llama 256x8 at 25%) a size's second
+    # and third visits ran 0.60-0.64 s with it busy for 0.24-0.42 s of them, where later steps
+    # ran 0.33-0.42 s. Left out only as the first of a row (as pinning is), the others taught
+    # their mix's time and view, and two misses in a row corrected the size's compute. Here one
+    # size's second to fourth steps read 20 times slow beside the planner: each is left out
+    # (before: the second only), and the predictions hold after them.
+    from chameleon_swap.runtime import step_end
+    flag = _second_step_slowed(monkeypatch, at=(2, 3, 4))
+    monkeypatch.setattr(step_end, "planner_busy_seconds",
+                        lambda eng, since: 1e9 if flag and flag.pop() else 0.0)
+    _only_the_second_step_is_left_out(lambda eng: eng._policy.pinned_step, lengths=(128,) * 3,
+                                      slowed=(1, 2, 3))
 
 @pytest.mark.usefixtures("plans_land_by_the_next_step")
 def test_every_size_plans_from_a_view_of_its_own_once_a_timed_step_confirmed_it():

@@ -163,6 +163,26 @@ def test_only_the_first_of_a_row_of_steps_that_pinned_is_exempt():
     assert not c.pinning
 
 
+def test_a_key_s_first_steps_beside_the_planner_are_exempt_in_a_row_or_not():
+    # The real-clock twin: test_steps_of_one_size_slowed_by_the_planner_in_a_row_steer_no_plan
+    # (tests/policy/test_block_modes.py).
+    from types import SimpleNamespace as NS
+
+    from chameleon_swap.policy import checks
+    busy = NS(step_seconds=0.5, extra={"planner_seconds": 0.3}, signature="a")
+    fine = NS(step_seconds=0.5, extra={"planner_seconds": 0.04}, signature="a")
+    c = PlanChecks()
+    assert c.exempt(busy, 5) and c.exempt(busy, 5)     # a row: each left out
+    assert not c.exempt(fine, 5) and c.exempt(busy, 5)  # not in a row: left out too
+    assert not c.exempt(busy, 5)                       # past the allowance: what it costs
+    assert c.exempt(busy, 6) and c.exempt(busy)        # another size, a signature: apart
+    assert checks.PLANNER_EXEMPT_STEPS == 3
+    # Pinning keeps its row rule beside it: a pinning step past the allowance is exempt as
+    # the first of its row.
+    both = NS(step_seconds=0.5, extra={"planner_seconds": 0.3, "host_alloc_seconds": 0.3})
+    assert c.exempt(both, 5) and not c.exempt(both, 5)
+
+
 def test_a_step_s_timed_recomputes_are_left_out_of_its_compute_correction():
     # The real-clock twin: test_mixes_are_ranked_by_what_they_ran_at_on_the_emulated_link
     # (tests/policy/test_block_modes.py), whose recomputes sleep.

@@ -160,5 +160,5 @@ def test_the_planner_contends_only_where_no_core_is_spare(monkeypatch):
     # Read against the step: more than a tenth of it is slowed.
     for seconds, slowed in ((0.11, True), (0.09, False), (0.0, False)):
         profile = NS(step_seconds=1.0, extra={"planner_seconds": seconds})
-        assert checks.slowed(profile) is slowed
-    assert not checks.slowed(NS(step_seconds=None, extra={"planner_seconds": 1.0}))
+        assert checks.contended(profile) is slowed
+    assert not checks.contended(NS(step_seconds=None, extra={"planner_seconds": 1.0}))

@@ -41,6 +41,8 @@ class PlanEntry:
     by_mix: bool = False                # a mix's, made before it ran (``compile_mix``): uncached
     peak_bytes: int = 0                 # its unmoved peak where held bytes add to the spans'
     size: Optional[int] = None          # with model=: the step size it was made at (step_size)
+    checked: bool = True                # steps are checked against its prediction (not where
+                                        # it was made from a step the planner process slowed)
     _index: Optional[KeyIndex] = field(default=None, repr=False)
 
     @property

@@ -13,8 +13,9 @@ step's size.
   step that ran so (the very first step does), else the nearest one scaled to the size. Timed
   steps in other mixes correct the view its size plans from, and the size is planned again. A
   step slowed by the host arena's pinning or by the planner process on its cores
-  (``checks.slowed``) teaches nothing but a first view (the first of a row: a size whose steps
-  are slowed every visit pays it, ``PlanChecks.exempt``).
+  (``checks.pinned``, ``checks.contended``) teaches nothing but a first view (``PlanChecks.exempt``:
+  of a row of pinning steps the first, a size whose steps pin every visit pays it; of steps
+  beside the planner, a size's first three).
   Planning again is rationed to ``PLANNING_SHARE`` of the steps' time (a thaw's plans are
   free), and a size whose replans keep choosing its mix waits 2, 4, 8... of its steps between
   them (``fruitless``): on the CPU demo each was 40-80 ms on 50-70 ms steps.

@@ -305,13 +305,13 @@ class ChameleonPolicy:
         mode_plan = self.modes.plan if self.modes.key is not None else None
         if mode_plan is not None:
             # With model= the step ran a mode plan: its source and prediction are the step's,
-            # unless a swap plan made from a step in these very modes stood for this one (it
-            # models its copies; the mode plan's are the search's, from the keep view: a 4-block
-            # Llama at 25%, 50 MB/s: 110 ms predicted for steps of 117-141 ms, the mode plan's
-            # 74 ms); its source only where it was replanned. (A mix's ``by_mix`` plan has none.)
+            # unless a checked swap plan made in these modes stood for it (it models its copies:
+            # a 4-block Llama at 25%, 50 MB/s: 110 ms predicted for steps of 117-141 ms, the mode
+            # plan's 74 ms); its source only where replanned. (A ``by_mix`` plan predicts none.)
             swap_stands = (applied is not None and applied.predicted_step_seconds and applied.modes
                            and applied.size == self.modes.key    # (another's predicts another)
-                           and self._modes_agree(applied) and self._fits(profile))
+                           and applied.checked and self._modes_agree(applied)
+                           and self._fits(profile))
             mode_source = self.modes.source()
             source = source if swap_stands and source == "replanned" else mode_source or source
             if not swap_stands:

@@ -52,6 +52,7 @@ COMPUTE_CLAMP = (0.25, 4.0)  # a correction of compute by more than this is not 
 MIN_LINK_SECONDS = 1e-3     # copying time below which a direction's bandwidth is not measured
 MOVE_MEAN_WEIGHT = 0.5      # weight of the newest step in the running mean of a move's cost
 MOVES_FULL_WEIGHT = 16      # ... where it timed this many moves or more; fewer, in proportion
+PLANNER_EXEMPT_STEPS = 3    # steps of one key left out for the planner process beside them
 
 
 class PlanChecks:
@@ -66,7 +67,8 @@ class PlanChecks:
         # link the steps do not run on, so no step can confirm or refute it.
         self.enabled = True
         self.move_measured: Optional[float] = None   # host seconds per moved span, timed
-        self.pinning: set = set()   # keys whose last step was slowed (``exempt``)
+        self.pinning: set = set()   # keys whose last step pinned (``exempt``)
+        self.contended: dict = {}   # per key: its steps left out for the planner process
 
     def move_seconds(self) -> float:
         """Host seconds one moved span costs the step, for the timeline (``move_seconds``): the
@@ -110,21 +112,39 @@ class PlanChecks:
 
     def exempt(self, profile, size: Optional[int] = None) -> bool:
         """Whether this step (of step size ``size`` with ``model=``, else of its signature) is
-        neither checked nor learnt from for what slowed it (``slowed``: its pinning, or the
-        planner process on its cores): the first of a row of steps of its size or signature
-        that were slowed so. A key whose steps pin visit after visit pays that on every step:
-        it is what its plan costs, and left out every time, the plan was never checked. On an
-        H100 the capped schedule's selective steps each waited about 1 s for the host arena,
-        and in the GPU demo (HF Llama 2048x16) a 6k-token mix of selective blocks ran 1.25-2.18
-        s for seven visits where 0.27 s was predicted and was never planned again (whether
-        those steps pinned, that run did not record)."""
-        key, now = ("modes", size) if size is not None else profile.signature, slowed(profile)
+        neither checked nor learnt from for what slowed it.
+
+        Its pinning (``pinned``): the first of a row of steps of its key that pinned. A key
+        whose steps pin visit after visit pays that on every step: it is what its plan costs,
+        and left out every time, the plan was never checked. On an H100 the capped schedule's
+        selective steps each waited about 1 s for the host arena, and in the GPU demo (HF
+        Llama 2048x16) a 6k-token mix of selective blocks ran 1.25-2.18 s for seven visits
+        where 0.27 s was predicted and was never planned again (whether those steps pinned,
+        that run did not record).
+
+        The planner process on its cores: the key's first ``PLANNER_EXEMPT_STEPS`` such steps,
+        in a row or not. The process works while sizes are new, beside their first visits in a
+        row: on this project's 2-core CPU (HF Llama 256x8 at 25%, 130 MB/s) a size's second
+        visit ran 0.54-0.80 s with the process busy for 0.24-0.42 s of it, where its later
+        steps ran 0.25-0.42 s; learnt from, that one step ranked its mix the slowest for good
+        (``mix_runs``: the 256-token size left five kept blocks, its fastest mix, in two
+        benchmark runs). A run whose sequences stay new keeps the process busy for good: past
+        the allowance its steps are what its plans cost, and are checked."""
+        key = ("modes", size) if size is not None else profile.signature
+        pins = pinned(profile)
         before = key in self.pinning
-        if now:
-            self.pinning.add(key)      # (kept while slowed: as few as slowed steps)
+        if pins:
+            self.pinning.add(key)      # (kept while pinning: as few as pinning steps)
         else:
             self.pinning.discard(key)
-        return now and not before
+        if pins and not before:
+            return True
+        if contended(profile):
+            n = self.contended.get(key, 0)
+            if n < PLANNER_EXEMPT_STEPS:
+                self.contended[key] = n + 1
+                return True
+        return False
 
     def forget(self, key: Hashable) -> None:
         """Misses of ``key`` counted so far no longer count."""
@@ -170,11 +190,11 @@ class PlanChecks:
         return self.link
 
 
-def slowed(profile) -> bool:
-    """The step's times are not its plan's: it pinned (``pinned``), or the planner process had
-    jobs beside it, on a machine with no core to spare for it, for more than ``MISS`` of the
-    step (``runtime.step_end.planner_busy_seconds``, in ``profile.extra``)."""
-    return pinned(profile) or _over_miss(profile, "planner_seconds")
+def contended(profile) -> bool:
+    """The planner process had jobs beside the step, on a machine with no core to spare for it,
+    for more than ``MISS`` of the step (``runtime.step_end.planner_busy_seconds``, in
+    ``profile.extra``): its times are partly the planner's (``PlanChecks.exempt``)."""
+    return _over_miss(profile, "planner_seconds")
 
 
 def pinned(profile) -> bool:
@@ -234,8 +254,10 @@ def check_step(policy, profile, applied, mode_plan, predicted) -> None:
     """At the end of a step of ``policy`` (a ``ChameleonPolicy``): compare the step with its
     prediction; after ``MISSES_TO_REPLAN`` misses of one key, correct the model (link, moves,
     compute, missed bytes) from this step and plan the key again."""
-    if predicted is None or policy.pinned_step:
-        return
+    if predicted is None or policy.pinned_step or (
+            applied is not None and not applied.checked
+            and predicted == applied.predicted_step_seconds):
+        return                  # (unchecked: made from a step the planner slowed, ``entry_of``)
     swap_predicted = (applied is not None and predicted == applied.predicted_step_seconds
                       and profile.signature == applied.signature and profile.n_forward > 0)
     if (mode_plan is not None

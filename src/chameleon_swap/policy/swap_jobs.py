@@ -43,15 +43,18 @@ def entry_of(profile, tl_plan, step: int, slowed: bool) -> PlanEntry:
     """The cache entry of swap plan ``tl_plan``, made from ``profile`` at step ``step``.
     ``slowed``: the step is exempt for what slowed it (``PlanChecks.exempt``); its plan is made
     again from the next detailed step. Where the host arena's pinning slowed it, its figures
-    are 10-20x off and the plan predicts nothing (``checks.pinned``); where the planner process
-    did, the plan keeps its prediction: it reads high, never a miss, and every plan a step
-    applies carries one (a 4-block Llama at 25% on 50 MB/s, with the process busy through most
-    of its second step: its third step reported none)."""
+    are 10-20x off and the plan predicts nothing (``checks.pinned``). Where the planner process
+    did, the plan keeps its prediction, reported where no mode plan's stands for the step
+    (every plan a step applies carries one: a 4-block Llama at 25% on 50 MB/s, with the
+    process busy through most of its second step, reported none on its third), but no step is
+    checked against it (``checked``): it reads high, and faster is a miss too."""
     entry = compile_plan(profile, tl_plan, step)
     if slowed:
         entry.detailed = False
         if checks.pinned(profile):
             entry.predicted_step_seconds = 0.0
+        else:
+            entry.checked = False
     if profile.blocks:
         entry.modes = {}
         for c in profile.blocks:

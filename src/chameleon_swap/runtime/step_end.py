@@ -72,7 +72,7 @@ def finish_step(eng, t0: float, budget: Optional[int], failed: bool,
         # (time the host arena spent allocating during the step: ``policy.checks.pinned``)
         profile.extra["host_alloc_seconds"] = eng._pool.allocating_seconds(t0, time.perf_counter())
         # (time the planner process had jobs beside it, where it had no core of its own)
-        profile.extra["planner_seconds"] = planner_busy_seconds(eng, t0)    # (``checks.slowed``)
+        profile.extra["planner_seconds"] = planner_busy_seconds(eng, t0)    # (``checks.contended``)
         # A lean step's profile holds only the saves before its lean path: not its sequence.
         lean = ("tripped" if eng._policy.modes.tripped else "whole") if eng._lean_step else ""
         changed = _changed(eng, profile.ids, lean)
@@ -121,7 +121,7 @@ def planner_busy_seconds(eng, since: float) -> float:
     own threads (on the CPU its compute threads and a copy worker, on a GPU the thread that
     launches its kernels) and the planner's would need more cores than the process may run on;
     0.0 where they would not, or where there is no planner process. Over a tenth of the step,
-    the step's time is partly the planner's (``policy.checks.slowed``: it is not learnt from).
+    the step's time is partly the planner's (``policy.checks.contended``: it is not learnt from).
     Measured on this project's 2-core CPU (the emulated-link benchmark's HF Llama 256x8 at 25%,
     three short runs each way): with the planner process, 256 tokens' second visit, while the
     first plans were being made, ran 0.66-0.71 s in two runs (in the third the swap-only
