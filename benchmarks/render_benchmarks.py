@@ -212,7 +212,9 @@ EMULATED = {"after-session20-256x8": "256x8 (c59b193)",
             "after-session25-256x8-run2": "256x8 (397a830), run 2",
             "after-session26-256x8": "256x8 (9c373f7)",
             "after-session26-256x8-run2": "256x8 (9c373f7), run 2",
-            "after-session27-256x8": "256x8 (64c9cab)"}
+            "after-session27-256x8": "256x8 (64c9cab)",
+            "after-session28-256x8": "256x8 (49ca4be)",
+            "after-session28-256x8-run2": "256x8 (09aa4d1), run 2"}
 
 
 def emulated_block(results: Path) -> str:
