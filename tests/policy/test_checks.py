@@ -181,6 +181,11 @@ def test_a_key_s_first_steps_beside_the_planner_are_exempt_in_a_row_or_not():
     # the first of its row.
     both = NS(step_seconds=0.5, extra={"planner_seconds": 0.3, "host_alloc_seconds": 0.3})
     assert c.exempt(both, 5) and not c.exempt(both, 5)
+    # Counted for a bounded number of keys (without model= a run whose sequences stay new has
+    # a key a step): the oldest is forgotten.
+    for k in range(checks.PLANNER_EXEMPT_KEYS + 10):
+        assert c.exempt(NS(step_seconds=0.5, extra={"planner_seconds": 0.3}, signature=k))
+    assert len(c.contended_steps) == checks.PLANNER_EXEMPT_KEYS
 
 
 def test_a_step_s_timed_recomputes_are_left_out_of_its_compute_correction():

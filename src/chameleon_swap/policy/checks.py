@@ -53,6 +53,8 @@ MIN_LINK_SECONDS = 1e-3     # copying time below which a direction's bandwidth i
 MOVE_MEAN_WEIGHT = 0.5      # weight of the newest step in the running mean of a move's cost
 MOVES_FULL_WEIGHT = 16      # ... where it timed this many moves or more; fewer, in proportion
 PLANNER_EXEMPT_STEPS = 3    # steps of one key left out for the planner process beside them
+PLANNER_EXEMPT_KEYS = 1024  # keys whose such steps are counted (the oldest forgotten past it:
+                            # without model= a run whose sequences stay new has a key a step)
 
 
 class PlanChecks:
@@ -68,7 +70,7 @@ class PlanChecks:
         self.enabled = True
         self.move_measured: Optional[float] = None   # host seconds per moved span, timed
         self.pinning: set = set()   # keys whose last step pinned (``exempt``)
-        self.contended: dict = {}   # per key: its steps left out for the planner process
+        self.contended_steps: dict = {}   # per key: its steps left out for the planner
 
     def move_seconds(self) -> float:
         """Host seconds one moved span costs the step, for the timeline (``move_seconds``): the
@@ -140,9 +142,11 @@ class PlanChecks:
         if pins and not before:
             return True
         if contended(profile):
-            n = self.contended.get(key, 0)
+            n = self.contended_steps.get(key, 0)
             if n < PLANNER_EXEMPT_STEPS:
-                self.contended[key] = n + 1
+                if not n and len(self.contended_steps) >= PLANNER_EXEMPT_KEYS:
+                    del self.contended_steps[next(iter(self.contended_steps))]
+                self.contended_steps[key] = n + 1
                 return True
         return False
 

@@ -72,7 +72,7 @@ def finish_step(eng, t0: float, budget: Optional[int], failed: bool,
         # (time the host arena spent allocating during the step: ``policy.checks.pinned``)
         profile.extra["host_alloc_seconds"] = eng._pool.allocating_seconds(t0, time.perf_counter())
         # (time the planner process had jobs beside it, where it had no core of its own)
-        profile.extra["planner_seconds"] = planner_busy_seconds(eng, t0)    # (``checks.contended``)
+        profile.extra["planner_seconds"] = planner_busy_seconds(eng, t0)   # (checks.contended)
         # A lean step's profile holds only the saves before its lean path: not its sequence.
         lean = ("tripped" if eng._policy.modes.tripped else "whole") if eng._lean_step else ""
         changed = _changed(eng, profile.ids, lean)
