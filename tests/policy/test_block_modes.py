@@ -1224,10 +1224,7 @@ def test_a_step_slowed_by_the_planner_on_its_cores_steers_no_plan(monkeypatch):
     # and the planner to have shared its cores (``step_end.planner_busy_seconds``): read as slowed
     # (``checks.contended``), it teaches nothing and is checked against nothing.
     from chameleon_swap.policy import checks
-    from chameleon_swap.runtime import step_end
-    flag = _second_step_slowed(monkeypatch)
-    monkeypatch.setattr(step_end, "planner_busy_seconds",
-                        lambda eng, since: 1e9 if flag and flag.pop() else 0.0)
+    _slowed_beside_the_planner(monkeypatch)
     _only_the_second_step_is_left_out(lambda eng: checks.contended(eng._profiler.last_profile))
 
 
@@ -1239,12 +1236,20 @@ def test_steps_of_one_size_slowed_by_the_planner_in_a_row_steer_no_plan(monkeypa
     # their mix's time and view, and two misses in a row corrected the size's compute. Here one
     # size's second to fourth steps read 20 times slow beside the planner: each is left out
     # (before: the second only), and the predictions hold after them.
-    from chameleon_swap.runtime import step_end
-    flag = _second_step_slowed(monkeypatch, at=(2, 3, 4))
-    monkeypatch.setattr(step_end, "planner_busy_seconds",
-                        lambda eng, since: 1e9 if flag and flag.pop() else 0.0)
+    _slowed_beside_the_planner(monkeypatch, at=(2, 3, 4))
     _only_the_second_step_is_left_out(lambda eng: eng._policy.pinned_step, lengths=(128,) * 3,
                                       slowed=(1, 2, 3))
+
+
+def _slowed_beside_the_planner(monkeypatch, at: tuple = (2,)) -> None:
+    """Each engine's steps ``at`` (``_second_step_slowed``) read 20 times slow, with the planner
+    process busy beside them on cores it shares with the step
+    (``step_end.planner_busy_seconds``), and no other step so."""
+    from chameleon_swap.runtime import step_end
+    flag = _second_step_slowed(monkeypatch, at)
+    monkeypatch.setattr(step_end, "planner_busy_seconds",
+                        lambda eng, since: 1e9 if flag and flag.pop() else 0.0)
+
 
 @pytest.mark.usefixtures("plans_land_by_the_next_step")
 def test_every_size_plans_from_a_view_of_its_own_once_a_timed_step_confirmed_it():
