@@ -202,6 +202,12 @@ def reference_simulate(profile: Profile, plan: Plan, budget: Optional[int], *,
             reap(t)
         if tracing:
             slot_start.append(t)
+        if reserve[s] != r and res + reserve[s] > budget_cap and outq:
+            t0 = t                     # the guard waits for copies out in flight (since 2026-11)
+            while res + reserve[s] > budget_cap and outq:
+                t = max(t, outq[0][0])
+                reap(t)
+            stall += t - t0
         cap = enter(s)
         issue_cap = budget_cap - ahead[s]
         if waiting and waiting[0][0] <= t:

@@ -119,6 +119,25 @@ def test_forward_waits_for_a_slow_copy_out_by_the_exact_time():
     assert tr["slot_start"] == pytest.approx([0, 1, 3, 4, 5, 6.1])   # before its own wait
 
 
+
+def test_a_recompute_s_working_set_waits_for_the_copies_out_in_flight():
+    # Budget 120 MB, D2H 50 MB/s: span 0's copy-out runs from t=1 to t=3. Slot 2, backward's
+    # first, holds a 60 MB working set (a recomputed block's) from t=2, where span 0 still
+    # counts: as the guard does (``make_room_backward``), compute waits for the copy-out, 1 s.
+    # Before, the model put the working set over the budget (peak 160 MB, budget_ok False) and
+    # the mode search, which ranks a mix that fits first, took every block kept over all full
+    # on a slow link (a 4-block Llama at 25% on 20 MB/s: 1.76 s a step for 0.19 s).
+    pr = Profile((1.0,) * 5, 2, (Span(100 * MB, 0, 4),), 0.05 * GB, GB,
+                 reserve=(0, 0, 60 * MB, 0, 0))
+    tr: dict = {}
+    p = simulate(pr, Plan(frozenset({0}), {0: 3}), 120 * MB, trace=tr)
+    assert p.budget_ok and p.peak_bytes == 100 * MB
+    assert p.stall_seconds == pytest.approx(1.0) and p.forward_stall_seconds == 0
+    assert p.total_seconds == pytest.approx(6.0)
+    assert tr["slot_start"] == pytest.approx([0, 1, 2, 4, 5, 6])     # before its own wait
+    # With the room there, nothing waits.
+    assert simulate(pr, Plan(frozenset({0}), {0: 3}), 160 * MB).stall_seconds == 0
+
 def test_a_save_that_can_never_fit_is_copied_out_synchronously():
     # Budget 100 MB and nothing moved: span 1 does not fit next to span 0 and nothing is in
     # flight, so it is copied out at once (50 MB at 1 GB/s: 0.05 s) and never counted. Its copy

@@ -19,7 +19,9 @@ the outputs selective checkpointing keeps (from the block's forward to its recom
 activations a recomputed block re-creates for its backward. They count towards the peak and the
 budget; spans get what the reserve leaves (``budget - reserve[slot]``), and copies back are issued
 only into room that no later slot's reserve needs (the runtime keeps room for the recomputes to
-come).
+come). A backward slot whose reserve finds too little room waits for the copies out in flight,
+oldest first, as the guard does (``make_room_backward``): that wait is stall. Where even that
+leaves too little (the guard would copy out spans not used yet), it goes over the budget.
 
 Copies. D2H is one FIFO stream: a moved span's copy-out is enqueued at its save and takes
 ``nbytes / d2h``. H2D is one FIFO stream: copies back are issued at the start of slot ``fetch_at``

@@ -359,6 +359,14 @@ def backward(run: Run, back: CopiesBack) -> None:
         if tracing:
             slot_start.append(t)
         if reserve[s] != r:
+            if res + reserve[s] > budget_cap and outq:
+                # A recompute's working set finds too little room: the guard waits for copies
+                # out in flight (``make_room_backward``), oldest first; that wait is stall.
+                t0 = t
+                while res + reserve[s] > budget_cap and outq:
+                    t = max(t, outq[0][0])
+                    res, inflight = _reap(outq, state, nbytes, t, res, inflight, r, curve)
+                stall += t - t0
             r, peak = _enter(reserve[s], res, peak, t, curve)
         cap = budget_cap - r
         issue_cap = budget_cap - ahead[s]
