@@ -452,6 +452,39 @@ def test_a_copying_mix_s_overrun_counts_beyond_what_the_quiet_mixes_missed_by():
         got = plan_hybrid(prof, blocks, budget, measured=measured, incumbent=copying).modes
         assert (got == copying) == stays, (quiet_ran, got)
 
+
+@pytest.mark.parametrize("share", [0.25, 0.3])
+def test_on_a_slow_link_all_full_waits_for_its_copies_and_beats_keeping_every_block(share):
+    # A recomputed block's working set waits for the copies out in flight (the timeline, as
+    # the guard does): all full fits, with that wait, at about a fifth of keeping every block
+    # and copying it over 20 MB/s. Read over the budget before, all full lost to it.
+    from chameleon_swap.planning.swaps import plan as plan_swaps
+    prof, blocks = keep_view(bw=2e7)
+    budget = int(unmoved_peak(prof) * share)
+    full = plan_swaps(apply_modes(prof, blocks, ("full",) * 4), budget).predicted
+    keep = plan_swaps(prof, budget).predicted
+    assert full.budget_ok and full.stall_seconds > 0
+    assert full.total_seconds < 0.25 * keep.total_seconds
+    assert plan_hybrid(prof, blocks, budget).modes == ("full",) * 4
+
+
+def test_a_mix_that_ran_fits_as_it_ran_whatever_the_model_reads():
+    # A mix that ran held its budget (the guard holds it), and its time is what holding it
+    # cost: it is ranked by that time, not put behind every mix the model reads within the
+    # budget. Here the first block's saves cannot move: the model reads a mix that keeps it
+    # and recomputes the rest over a 25% budget.
+    from chameleon_swap.planning.swaps import plan as plan_swaps
+    K, F = "keep", "full"
+    prof, blocks = keep_view(bw=1e9)
+    budget = int(unmoved_peak(prof) * 0.25)
+    stuck = replace(prof, spans=tuple(replace(sp, movable=False) if i < 3 else sp
+                                      for i, sp in enumerate(prof.spans)))
+    over = (K, F, F, F)
+    assert not plan_swaps(apply_modes(stuck, blocks, over), budget).predicted.budget_ok
+    assert plan_hybrid(stuck, blocks, budget).modes != over
+    ran = {over: 1e-3}
+    assert plan_hybrid(stuck, blocks, budget, measured=ran).modes == over
+
 # ----------------------------------------------------- the fallback of the winner
 def test_a_winner_that_copies_carries_the_best_mix_that_moves_nothing():
     fast, blocks = keep_view(bw=1e13)           # swapping hides: the model keeps every block

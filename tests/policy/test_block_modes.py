@@ -94,6 +94,31 @@ def test_a_slow_link_recomputes_a_fast_one_swaps(link, recomputes, steady_clock)
         assert last.recomputed_bytes == 0 and last.recompute_seconds == 0
 
 
+
+@pytest.mark.usefixtures("plans_land_by_the_next_step")
+def test_a_link_that_slows_tenfold_mid_run_keeps_its_size_recomputing_on_the_real_clock():
+    # A 4-block Llama at 25% of its peak recomputes every block on a 200 MB/s emulated link;
+    # from its ninth step the link runs at 20 MB/s. Before, the size kept every block for good
+    # once its plan was made again for the slower link (1.76 s a step, as predicted, where all
+    # full had run 0.19 s): the model put all full over the budget, a recomputed block's
+    # working set entering backward while the copies out of the blocks' inputs were still on
+    # their way, and ranked a mix that fits first. The guard waits for those copies; so does
+    # the model now, and a mix that ran fits as it ran (planning/modes.py's twins).
+    model = tiny_llama(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=256)
+    batches = lm_batches(model, [128] * 16, B=4)
+    budget = int(natural_peak(model, batches[0]) * 0.25)
+    with cs.Chameleon(budget, device="cpu", min_tensor_bytes=0, model=model,
+                      emulate_link="200MB/s") as eng:
+        for i, b in enumerate(batches):
+            if i == 8:
+                eng._copy._d2h.bytes_per_s = eng._copy._h2d.bytes_per_s = 20e6
+            train_step(model, b, eng)
+            assert eng.last_step.peak_resident_bytes <= budget
+        hist = list(eng.history)
+    assert any(s.block_modes[2] == 4 for s in hist[1:8])     # all full on the fast link
+    late = [s.block_modes for s in hist[8:]]
+    assert all(m[0] < 4 for m in late), late
+
 def _upsized_run(engine_kwargs: dict, link_at_long=None) -> list:
     """CheapNet at 40% of its longest step's peak: two steps of one size, then one twice as
     long, larger than every size planned (``link_at_long``: the link the mode policy reads from
