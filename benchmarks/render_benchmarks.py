@@ -214,7 +214,10 @@ EMULATED = {"after-session20-256x8": "256x8 (c59b193)",
             "after-session26-256x8-run2": "256x8 (9c373f7), run 2",
             "after-session27-256x8": "256x8 (64c9cab)",
             "after-session28-256x8": "256x8 (49ca4be)",
-            "after-session28-256x8-run2": "256x8 (09aa4d1), run 2"}
+            "after-session28-256x8-run2": "256x8 (09aa4d1), run 2",
+            "after-session29-256x8": "256x8 (9478aab)",
+            "after-session29-256x8-run2": "256x8 (8948b84), run 2",
+            "after-session29-256x8-run3": "256x8 (99a2cd9), run 3"}
 
 
 def emulated_block(results: Path) -> str:
