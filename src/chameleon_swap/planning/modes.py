@@ -31,13 +31,14 @@ them; for a mix that copies or selects, among those that did: ``calibration``). 
 (``incumbent``) stays unless another is ``SWITCH_GAIN`` faster, or it copies or recomputes
 selectively and ran that much above its own prediction beyond what the quiet mixes that ran there
 missed by (a quiet mix's miss is the compute's, every mix's alike: the emulated-link benchmark at
-50% left (2, 0, 2), 0.165-0.168 s, for (2, 2, 0) predicted 0.154 s, ran 0.23); a quiet one that does no more work than the best stays whatever it ran
-(``dominates``). The model's parts most often wrong are the link and what a mix holds (an 8-block HF
-Llama on the emulated link: keep 5, recompute 3, predicted 53 ms, ran 62; all full predicted 60, ran
-54; a 4-block one at 50%: all selective predicted to fit, the guard moved 7.6 MiB, it ran 1.7x of
-the plain step, PyTorch's selective 1.09x). So the best other mix scored of those the model is
-surest of (kept and fully recomputed blocks, next to nothing moved: ``calibration.light``) that
-fits and never ran comes with the winner (``HybridPlan.fallback``), for the policy to run beside it.
+50% left (2, 0, 2), 0.165-0.168 s, for (2, 2, 0) predicted 0.154 s, ran 0.23); a quiet one that does
+no more work than the best stays whatever it ran (``dominates``). The model's parts most often wrong
+are the link and what a mix holds (an 8-block HF Llama on the emulated link: keep 5, recompute 3,
+predicted 53 ms, ran 62; all full predicted 60, ran 54; a 4-block one at 50%: all selective
+predicted to fit, the guard moved 7.6 MiB, it ran 1.7x of the plain step, PyTorch's selective
+1.09x). So the best other mix scored of those the model is surest of (kept and fully recomputed
+blocks, next to nothing moved: ``calibration.light``) that fits and never ran comes with the winner
+(``HybridPlan.fallback``), for the policy to run beside it.
 
 Host memory is bounded too (``host_limit``: the room of the host arena, ``host_memory_limit``):
 every byte a plan copies out holds a host buffer until backward releases its tensor, so a mix
@@ -221,7 +222,7 @@ class _ModeSearch:
         # step), the least over first; then a mix that fits the budget beats one that does not;
         # among those that do not, the smallest peak (never quietly everything kept); then the
         # least predicted time. A mix that ran fits as it ran: the guard held the budget, and
-        # the time it took to is in what it ran at. The model's fit is its least sure figure
+        # what holding it cost is in the time it ran at. The model's fit is its least sure figure
         # (a non-movable save over the budget hangs on when copies end): a 4-block Llama at
         # 25% ran all full at 0.19 s on a 20 MB/s link, the model read it over the budget, and
         # the size kept every block for good at 1.76 s a step, as predicted.
