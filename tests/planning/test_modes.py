@@ -484,6 +484,10 @@ def test_a_mix_that_ran_fits_as_it_ran_whatever_the_model_reads():
     assert plan_hybrid(stuck, blocks, budget).modes != over
     ran = {over: 1e-3}
     assert plan_hybrid(stuck, blocks, budget, measured=ran).modes == over
+    assert plan_hybrid(stuck, blocks, budget, measured=ran, held={over}).modes == over
+    # Where it ran under a larger budget than this one (``held`` leaves it out), the model's fit
+    # stands: the guard held it to that budget, not to this one.
+    assert plan_hybrid(stuck, blocks, budget, measured=ran, held=set()).modes != over
 
 # ----------------------------------------------------- the fallback of the winner
 def test_a_winner_that_copies_carries_the_best_mix_that_moves_nothing():

@@ -55,3 +55,17 @@ def test_other_sizes_and_other_blocks_are_not_this_sizes_mixes():
     runs.add(7, calls("keep", "full", "full"), 3.0)     # a third block called: another model
     assert runs.measured(7, [0, 1]) == {("keep", "full"): 1.0}
     assert runs.measured(9, [0, 1]) == {}
+
+
+def test_a_mix_held_a_budget_no_larger_than_the_least_it_ran_under():
+    # A mix that ran is read as fitting the budget it ran under (planning/modes.py's ``held``),
+    # not a smaller one: the guard held it to that budget, not to this one.
+    runs = MixRuns()
+    runs.add(7, calls("keep", "keep"), 1.0, budget=100)
+    runs.add(7, calls("keep", "full"), 1.0, budget=80)
+    runs.add(7, calls("full", "full"), 1.0)                    # (no budget told: never held)
+    assert runs.held(7, [0, 1], 100) == {("keep", "keep"), ("keep", "full")}
+    assert runs.held(7, [0, 1], 90) == {("keep", "full")}
+    runs.add(7, calls("keep", "keep"), 1.0, budget=60)         # it ran under less since
+    assert runs.held(7, [0, 1], 70) == {("keep", "keep")}
+    assert runs.held(8, [0, 1], 100) == set()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pickle
 import time
 import traceback
-from typing import BinaryIO, Mapping, Optional, Sequence
+from typing import BinaryIO, Collection, Mapping, Optional, Sequence
 
 from .modes import Block, HybridPlan, plan_hybrid
 from .quiet import plan_quiet
@@ -27,11 +27,12 @@ from .timeline import Profile
 
 def plan_size(profile: Profile, blocks: Sequence[Block], budget: int, host_limit: Optional[int],
               incumbent: Optional[tuple], measured: Mapping[tuple, float],
-              quiet: bool) -> HybridPlan:
+              quiet: bool, held: Optional[Collection[tuple]] = None) -> HybridPlan:
     """One size's mode plan (``quiet``: the figures are not trusted yet: the fastest mix that
-    moves nothing, where one fits)."""
+    moves nothing, where one fits; ``held``: ``plan_hybrid``'s)."""
     return (plan_quiet(profile, blocks, budget) if quiet else None) or plan_hybrid(
-        profile, blocks, budget, host_limit=host_limit, incumbent=incumbent, measured=measured)
+        profile, blocks, budget, host_limit=host_limit, incumbent=incumbent, measured=measured,
+        held=held)
 
 
 JOBS = {"plan_size": plan_size, "plan_swaps": plan_swaps}

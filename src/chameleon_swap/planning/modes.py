@@ -49,7 +49,7 @@ mix keeps its copies within host room, the one that moves least is chosen (the p
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Mapping, Optional, Sequence
+from typing import Collection, Mapping, Optional, Sequence
 
 from .calibration import CALIBRATION_CLAMP, calibrations, dominates, light, moving
 from .ladder import best_count
@@ -131,7 +131,8 @@ def full_recompute_modes(blocks: Sequence[Block]) -> tuple[str, ...]:
 def plan_hybrid(profile: Profile, blocks: Sequence[Block], budget: Optional[int], *,
                 max_evals: Optional[int] = None, host_limit: Optional[int] = None,
                 measured: Optional[Mapping[tuple, float]] = None,
-                incumbent: Optional[tuple] = None) -> HybridPlan:
+                incumbent: Optional[tuple] = None,
+                held: Optional[Collection[tuple]] = None) -> HybridPlan:
     """Block modes and swap set with the least predicted step time under ``budget``, copying out at
     most ``host_limit`` bytes where any mix can (None: host memory is not bounded).
 
@@ -139,6 +140,8 @@ def plan_hybrid(profile: Profile, blocks: Sequence[Block], budget: Optional[int]
     the swap planner's simulations for the final plan (its default otherwise). ``measured``:
     step seconds that mixes (modes per block) were measured to run at this size; such a mix is
     ranked by what it ran, not by what the model predicts of it, and is always a candidate.
+    ``held``: those of them that ran under a budget no larger than ``budget`` (None: all), which
+    fit it as they ran (``_ModeSearch.key``).
     ``incumbent``: the mix the size runs now; it stays unless another is ``SWITCH_GAIN`` faster
     (a new mix costs steps of its own: its first swap plans are the guard's and made from
     estimates). The winner carries a ``fallback`` where the search scored another mix that moves
@@ -147,7 +150,7 @@ def plan_hybrid(profile: Profile, blocks: Sequence[Block], budget: Optional[int]
     if budget is None or unmoved_peak(profile) <= budget:
         return _made(profile, blocks, keep, plan_swaps(profile, budget))   # (moves nothing)
     blocks = recomputable(profile, blocks, budget)
-    search = _ModeSearch(profile, blocks, budget, host_limit, measured)
+    search = _ModeSearch(profile, blocks, budget, host_limit, measured, held)
     best = search.run(incumbent)
     # The search compared quick swap plans, the three uniform mixes (swap only, all selective
     # where measured, all full) always among them, so the winner's is never above theirs where
@@ -193,10 +196,12 @@ class _ModeSearch:
 
     def __init__(self, profile: Profile, blocks: Sequence[Block], budget: int,
                  host_limit: Optional[int] = None,
-                 measured: Optional[Mapping[tuple, float]] = None) -> None:
+                 measured: Optional[Mapping[tuple, float]] = None,
+                 held: Optional[Collection[tuple]] = None) -> None:
         self.pr, self.blocks, self.budget, self.host_limit = profile, [*blocks], budget, host_limit
         self.measured = {tuple(m): t for m, t in (measured or {}).items()
                          if t > 0 and self.can_run(m)}
+        self.held = set(self.measured) if held is None else {tuple(m) for m in held}
         self.calibration = (1.0, 1.0)   # quiet, moving mixes that did not run (see run)
         self.refined: set = set()
         self.order = conversion_order(profile, blocks)
@@ -221,15 +226,16 @@ class _ModeSearch:
         # A mix whose copies fit the host room beats one whose do not (that one would fail the
         # step), the least over first; then a mix that fits the budget beats one that does not;
         # among those that do not, the smallest peak (never quietly everything kept); then the
-        # least predicted time. A mix that ran fits as it ran: the guard held the budget, and
-        # what holding it cost is in the time it ran at. The model's fit is its least sure figure
+        # least predicted time. A mix that ran under this budget (or a smaller one: ``held``)
+        # fits as it ran: the guard held the budget, and what holding it cost is in the time it
+        # ran at. The model's fit is its least sure figure
         # (a non-movable save over the budget hangs on when copies end): a 4-block Llama at
         # 25% ran all full at 0.19 s on a 20 MB/s link, the model read it over the budget, and
         # the size kept every block for good at 1.76 s a step, as predicted.
         host_over = 0 if self.host_limit is None else max(0, pred.moved_bytes - self.host_limit)
         recomputed = sum(m != "keep" for m in modes)
         ran = self.measured.get(modes)
-        fits = pred.budget_ok or ran is not None
+        fits = pred.budget_ok or modes in self.held
         seconds = pred.total_seconds * self.calibration[moving(modes, pred)] if ran is None else ran
         return (host_over, not fits, 0 if fits else pred.peak_bytes, round(seconds / self.scale, 9),
                 recomputed, pred.moved_bytes)

@@ -340,7 +340,7 @@ class BlockModes(SizePlans):
         plan = self.plan
         if plan is None or plan.key != self.key or not profile.step_seconds or plan.stand_in:
             return              # (a stand-in runs in the first, slow steps: it ranks nothing)
-        mix, seen, n = self.runs.add(self.key, calls, profile.step_seconds)
+        mix, seen, n = self.runs.add(self.key, calls, profile.step_seconds, self.budget)
         planned = tuple(sorted((b, plan.modes.get(b, "keep")) for b, _ in mix))
         if n < 2 or mix != planned or self.key in self.jobs:  # (a mix's first step ran on a
             return          # stand-in swap plan; a plan being made decides what runs next)

@@ -75,12 +75,16 @@ class MixRuns:
     def __init__(self) -> None:
         self.runs: dict[int, dict[tuple, list]] = {}    # key -> ((block, mode), ...) -> seconds
         self.steps: dict[tuple, int] = {}               # (key, mix) -> steps it ran
+        self.budgets: dict[tuple, int] = {}             # (key, mix) -> the least it ran under
 
-    def add(self, key: int, calls: list, seconds: float) -> tuple[tuple, list, int]:
-        """The step of ``key`` whose blocks' first calls are ``calls`` took ``seconds``: returns
-        its mix (sorted (block, mode) pairs), that mix's kept step times (newest last) and how
-        many steps it has run at ``key``."""
+    def add(self, key: int, calls: list, seconds: float,
+            budget: Optional[int] = None) -> tuple[tuple, list, int]:
+        """The step of ``key`` whose blocks' first calls are ``calls`` took ``seconds`` under
+        ``budget``: returns its mix (sorted (block, mode) pairs), that mix's kept step times
+        (newest last) and how many steps it has run at ``key``."""
         mix = tuple(sorted((c.block, c.mode) for c in calls))
+        if budget is not None:
+            self.budgets[key, mix] = min(budget, self.budgets.get((key, mix), budget))
         seen = self.runs.setdefault(key, {}).setdefault(mix, [])
         n = self.steps[key, mix] = self.steps.get((key, mix), 0) + 1
         if n == 2 and seen[0] > seconds:
@@ -97,6 +101,17 @@ class MixRuns:
             modes = dict(mix)
             if secs and set(modes) == set(block_ids):
                 out[tuple(modes[b] for b in block_ids)] = statistics.median_low(secs)
+        return out
+
+    def held(self, key: int, block_ids: list, budget: int) -> set:
+        """Mixes (as ``measured``'s) that ran at ``key`` under a budget no larger than
+        ``budget``: the guard held them to it, so they fit it as they ran
+        (``planning.modes.plan_hybrid``'s ``held``; one that ran under a larger budget may not)."""
+        out = set()
+        for mix in self.runs.get(key, {}):
+            modes = dict(mix)
+            if set(modes) == set(block_ids) and self.budgets.get((key, mix), budget + 1) <= budget:
+                out.add(tuple(modes[b] for b in block_ids))
         return out
 
 

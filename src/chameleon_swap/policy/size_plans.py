@@ -170,7 +170,8 @@ class SizePlans:
         now = (tuple(old.modes.get(b, "keep") for b in view.block_ids)
                if old is not None and old.key == key and not old.stand_in else None)
         budget, trusted = self.budget - self.margin.get(key, 0), self.warm and measured
-        args = (prof, blocks, budget, host, now, self.measured(key, view.block_ids), not trusted)
+        args = (prof, blocks, budget, host, now, self.measured(key, view.block_ids), not trusted,
+                self.runs.held(key, view.block_ids, self.budget))
         return Job(args, list(view.block_ids), view.input_bytes, self.budget, measured, trusted,
                    prof.move_seconds, stamp, host, view.keys)
 
