@@ -57,15 +57,19 @@ def test_other_sizes_and_other_blocks_are_not_this_sizes_mixes():
     assert runs.measured(9, [0, 1]) == {}
 
 
-def test_a_mix_held_a_budget_no_larger_than_the_least_it_ran_under():
+def test_a_mix_holds_a_budget_its_kept_runs_all_ran_under_or_a_larger_one():
     # A mix that ran is read as fitting the budget it ran under (planning/modes.py's ``held``),
-    # not a smaller one: the guard held it to that budget, not to this one.
+    # not a smaller one: the guard held it to that budget, not to this one. Its kept times rank
+    # it, so their budgets decide.
     runs = MixRuns()
     runs.add(7, calls("keep", "keep"), 1.0, budget=100)
     runs.add(7, calls("keep", "full"), 1.0, budget=80)
     runs.add(7, calls("full", "full"), 1.0)                    # (no budget told: never held)
     assert runs.held(7, [0, 1], 100) == {("keep", "keep"), ("keep", "full")}
     assert runs.held(7, [0, 1], 90) == {("keep", "full")}
-    runs.add(7, calls("keep", "keep"), 1.0, budget=60)         # it ran under less since
+    for _ in range(RUNS_KEPT):                                 # its kept runs now under 60
+        runs.add(7, calls("keep", "keep"), 1.0, budget=60)
     assert runs.held(7, [0, 1], 70) == {("keep", "keep")}
+    runs.add(7, calls("keep", "keep"), 1.0, budget=100)        # one kept run under 100 again
+    assert runs.held(7, [0, 1], 70) == set()
     assert runs.held(8, [0, 1], 100) == set()

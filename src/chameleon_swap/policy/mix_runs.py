@@ -75,7 +75,7 @@ class MixRuns:
     def __init__(self) -> None:
         self.runs: dict[int, dict[tuple, list]] = {}    # key -> ((block, mode), ...) -> seconds
         self.steps: dict[tuple, int] = {}               # (key, mix) -> steps it ran
-        self.budgets: dict[tuple, int] = {}             # (key, mix) -> the least it ran under
+        self.budgets: dict[tuple, list] = {}            # (key, mix) -> its kept runs' budgets
 
     def add(self, key: int, calls: list, seconds: float,
             budget: Optional[int] = None) -> tuple[tuple, list, int]:
@@ -83,14 +83,15 @@ class MixRuns:
         ``budget``: returns its mix (sorted (block, mode) pairs), that mix's kept step times
         (newest last) and how many steps it has run at ``key``."""
         mix = tuple(sorted((c.block, c.mode) for c in calls))
-        if budget is not None:
-            self.budgets[key, mix] = min(budget, self.budgets.get((key, mix), budget))
         seen = self.runs.setdefault(key, {}).setdefault(mix, [])
+        under = self.budgets.setdefault((key, mix), [])
         n = self.steps[key, mix] = self.steps.get((key, mix), 0) + 1
         if n == 2 and seen[0] > seconds:
             seen.clear()                 # the first step stood in until now (see above)
+            under.clear()
         seen.append(seconds)
-        del seen[:-RUNS_KEPT]
+        under.append(budget)
+        del seen[:-RUNS_KEPT], under[:-RUNS_KEPT]
         return mix, seen, n
 
     def measured(self, key: int, block_ids: list) -> dict:
@@ -104,13 +105,14 @@ class MixRuns:
         return out
 
     def held(self, key: int, block_ids: list, budget: int) -> set:
-        """Mixes (as ``measured``'s) that ran at ``key`` under a budget no larger than
-        ``budget``: the guard held them to it, so they fit it as they ran
-        (``planning.modes.plan_hybrid``'s ``held``; one that ran under a larger budget may not)."""
+        """Mixes (as ``measured``'s) whose kept runs at ``key`` all ran under a budget no larger
+        than ``budget``: the guard held them to it, so they fit it as their times say
+        (``planning.modes.plan_hybrid``'s ``held``; a run under a larger budget may not)."""
         out = set()
-        for mix in self.runs.get(key, {}):
-            modes = dict(mix)
-            if set(modes) == set(block_ids) and self.budgets.get((key, mix), budget + 1) <= budget:
+        for mix, secs in self.runs.get(key, {}).items():
+            modes, under = dict(mix), self.budgets.get((key, mix), [])
+            if secs and set(modes) == set(block_ids) and all(
+                    b is not None and b <= budget for b in under):
                 out.add(tuple(modes[b] for b in block_ids))
         return out
 
