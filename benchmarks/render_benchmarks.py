@@ -217,7 +217,8 @@ EMULATED = {"after-session20-256x8": "256x8 (c59b193)",
             "after-session28-256x8-run2": "256x8 (09aa4d1), run 2",
             "after-session29-256x8": "256x8 (9478aab)",
             "after-session29-256x8-run2": "256x8 (8948b84), run 2",
-            "after-session29-256x8-run3": "256x8 (99a2cd9), run 3"}
+            "after-session29-256x8-run3": "256x8 (99a2cd9), run 3",
+            "after-session29-256x8-long": "256x8, long (1559fe3)"}
 
 
 def emulated_block(results: Path) -> str:
