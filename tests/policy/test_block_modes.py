@@ -638,7 +638,9 @@ def test_a_mix_that_moves_nothing_is_tried_against_its_fallback_only_where_it_ra
     step(3 * pred)
     step(1.05 * pred)                           # within 10% of its prediction: it stays
     assert modes.plans[5].hybrid is not hp and not modes.trials.by_key
-    step(1.5 * pred)                            # its median now 1.28x: the fallback runs next
+    step(1.5 * pred)                            # one slow step of two is noise (low median) ...
+    assert modes.plans[5].hybrid is not hp and not modes.trials.by_key
+    step(1.5 * pred)                            # ... two of three are not: the fallback runs next
     assert modes.plans[5].hybrid is hp
 
 

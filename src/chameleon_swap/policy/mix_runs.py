@@ -122,11 +122,11 @@ class Trials:
     """The fallback trials of ``block_modes.BlockModes``, one per size at most."""
 
     def __init__(self) -> None:
-        self.by_key: dict = {}     # key -> (plan that ran, its median time, the fallback's plan)
+        self.by_key: dict = {}     # key -> (plan that ran, its low median, the fallback's plan)
 
     def start(self, key: int, plan, ran: float):
         """``plan`` (a ``ModePlan``) with its mix replaced by its fallback's, to run next at
-        ``key`` (its mix ran at median ``ran``); None where it has no fallback, or the size had
+        ``key`` (its mix ran at low median ``ran``); None where it has no fallback, or the size had
         its trial, or the plan does no more work than its fallback (``dominates``: one kept
         block and seven full, nothing copied, against all full, where only noise can decide)."""
         fb, hp = plan.hybrid.fallback, plan.hybrid
