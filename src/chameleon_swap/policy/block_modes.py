@@ -350,9 +350,8 @@ class BlockModes(SizePlans):
                 self.plans[self.key] = back         # planned again on what both ran at
                 self.stale.add(self.key)
             return
-        # Its low median, as mixes are ranked (noise only slows a step): by the median, one slow
-        # step of two (0.81 s, then 1.16 s at 512 tokens, 25%, on the emulated link) read 0.98 s
-        # and its fallback, all full, won the trial at 0.70 s and stayed for the run.
+        # Its low median, as mixes are ranked (noise only slows a step): of two step times the
+        # median is their mean, so one slow step of two started a trial or weighed in its verdict.
         pred, ran = self.predicted_seconds() or float("inf"), statistics.median_low(seen)
         # Tried against its fallback where it ran over its prediction, or copies over MISS of
         # the step on the link, or runs selective (one probe): those two though it ran as
