@@ -258,12 +258,11 @@ def check_step(policy, profile, applied, mode_plan, predicted) -> None:
     """At the end of a step of ``policy`` (a ``ChameleonPolicy``): compare the step with its
     prediction; after ``MISSES_TO_REPLAN`` misses of one key, correct the model (link, moves,
     compute, missed bytes) from this step and plan the key again."""
-    if predicted is None or policy.pinned_step or (
-            applied is not None and not applied.checked
-            and predicted == applied.predicted_step_seconds):
+    by_swap = applied is not None and predicted == applied.predicted_step_seconds
+    if predicted is None or policy.pinned_step or (by_swap and not applied.checked):
         return                  # (unchecked: made from a step the planner slowed, ``entry_of``)
-    swap_predicted = (applied is not None and predicted == applied.predicted_step_seconds
-                      and profile.signature == applied.signature and profile.n_forward > 0)
+    swap_predicted = (by_swap and profile.signature == applied.signature
+                      and profile.n_forward > 0)
     if (mode_plan is not None
             and mode_plan.views_version != policy.modes.view_stamp(policy.modes.key)):
         # Planned from a keep view that changed since (learnt, corrected or thawed), or from

@@ -94,27 +94,25 @@ class MixRuns:
         del seen[:-RUNS_KEPT], under[:-RUNS_KEPT]
         return mix, seen, n
 
-    def measured(self, key: int, block_ids: list) -> dict:
-        """Mixes (modes in ``block_ids`` order) that ran at ``key``, with their low median
-        time."""
-        out = {}
+    def _ran(self, key: int, block_ids: list):
+        """(modes in ``block_ids`` order, the mix, its kept times) of each mix that ran at
+        ``key`` on exactly these blocks."""
         for mix, secs in self.runs.get(key, {}).items():
             modes = dict(mix)
             if secs and set(modes) == set(block_ids):
-                out[tuple(modes[b] for b in block_ids)] = statistics.median_low(secs)
-        return out
+                yield tuple(modes[b] for b in block_ids), mix, secs
+
+    def measured(self, key: int, block_ids: list) -> dict:
+        """Mixes (modes in ``block_ids`` order) that ran at ``key``, with their low median
+        time."""
+        return {m: statistics.median_low(secs) for m, _, secs in self._ran(key, block_ids)}
 
     def held(self, key: int, block_ids: list, budget: int) -> set:
         """Mixes (as ``measured``'s) whose kept runs at ``key`` all ran under a budget no larger
         than ``budget``: the guard held them to it, so they fit it as their times say
         (``planning.modes.plan_hybrid``'s ``held``; a run under a larger budget may not)."""
-        out = set()
-        for mix, secs in self.runs.get(key, {}).items():
-            modes, under = dict(mix), self.budgets.get((key, mix), [])
-            if secs and set(modes) == set(block_ids) and all(
-                    b is not None and b <= budget for b in under):
-                out.add(tuple(modes[b] for b in block_ids))
-        return out
+        return {m for m, mix, _ in self._ran(key, block_ids)
+                if all(b is not None and b <= budget for b in self.budgets.get((key, mix), []))}
 
 
 
