@@ -64,6 +64,18 @@ def calibrations(ran: Iterable[tuple[bool, float]]) -> tuple[float, float]:
 COST_RANK = {"keep": 0, "selective": 1, "full": 2}   # a block's compute, least first
 
 
+def level(a, pa, b, pb) -> bool:
+    """Whether quiet mix ``a`` (its swap plan's prediction ``pa``), fitting its budget with no
+    forced copies, is predicted no slower than quiet mix ``b`` (``pb``): two quiet mixes differ
+    by the compute they repeat, which the model reads off the same blocks' times, so a measured
+    time that puts ``a`` behind is noise. The mode search's climb (``modes._ModeSearch.climb``)
+    finds mixes that recompute as many blocks as another, elsewhere: on a hand-built 4-block
+    view, two kept and two full at 1.4x their prediction (one noisy step) left for another two
+    kept and two full that had not run, predicted the same."""
+    return (not moving(a, pa) and not moving(b, pb) and pa.budget_ok and not pa.forced_offloads
+            and pa.total_seconds <= pb.total_seconds * (1 + 1e-9))
+
+
 def dominates(a, pa, b, pb) -> bool:
     """Whether mix ``a`` (its swap plan's prediction ``pa``) does no more work than ``b`` (``pb``)
     in every respect the model is sure of: a quiet mix (``moving``: it keeps and fully
