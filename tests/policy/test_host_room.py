@@ -263,3 +263,30 @@ def test_a_planned_step_whose_moves_the_cold_arena_cannot_hold_keeps_only_what_f
         assert cold.offloaded_bytes < planned.offloaded_bytes
         warm = step()                            # the room asked for is there
         assert not modes.unready and warm.predicted_step_seconds is not None, warm
+
+
+def test_a_mix_that_ran_under_the_budget_is_no_case_for_the_no_mix_fits_warning(case):
+    """The mode search ranks a mix that ran under this budget as fitting it (the guard held the
+    budget, and its time says what that cost), where the model may read it over: landing such
+    a plan warns of nothing. The same plan, read over and never run, warns once."""
+    from dataclasses import replace
+    m = copy.deepcopy(case["model"])
+    with cs.Chameleon(case["budget"], device="cpu", min_tensor_bytes=0, model=m,
+                      plan_in_background=False) as eng:
+        for _ in range(2):
+            with eng.step():
+                case["run"](m)
+        modes = eng._policy.modes
+        (key, plan), = modes.plans.items()
+        hp = plan.hybrid
+        over = replace(hp, swap=replace(hp.swap, predicted=replace(
+            hp.predicted, peak_bytes=modes.budget + 1)))      # the model reads it over
+        job = modes._job(key)
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            modes._land(key, replace(job, held={hp.modes}), over)
+            assert not [w for w in got if "chameleon-swap: no mix" in str(w.message)]
+            modes._land(key, replace(job, held=set()), over)
+            modes._land(key, replace(job, held=set()), over)
+        said = [str(w.message) for w in got if "chameleon-swap: no mix" in str(w.message)]
+        assert len(said) == 1 and "peaks at" in said[0], said

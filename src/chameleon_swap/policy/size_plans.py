@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Collection, Optional
 
 from ..copy.host_pool import ALIGN
 from ..planning.jobs import plan_size
@@ -51,6 +51,7 @@ class Job:
     views_version: tuple        # ``view_stamp``: the keep view it is made from
     host: Optional[int]
     keys: tuple = ()            # the view's tensor keys (``KeepView.keys``)
+    held: Collection = ()       # mixes that ran under this budget (``MixRuns.held``)
     seconds: float = 0.0        # spent on the step's thread preparing it
     free: bool = False          # a thaw's (not charged to the share)
     after: Optional[tuple] = None    # a replan's (repeats, old plan, visits) (``_replanned``)
@@ -170,10 +171,11 @@ class SizePlans:
         now = (tuple(old.modes.get(b, "keep") for b in view.block_ids)
                if old is not None and old.key == key and not old.stand_in else None)
         budget, trusted = self.budget - self.margin.get(key, 0), self.warm and measured
+        held = self.runs.held(key, view.block_ids, self.budget)
         args = (prof, blocks, budget, host, now, self.measured(key, view.block_ids), not trusted,
-                self.runs.held(key, view.block_ids, self.budget))
+                held)
         return Job(args, list(view.block_ids), view.input_bytes, self.budget, measured, trusted,
-                   prof.move_seconds, stamp, host, view.keys)
+                   prof.move_seconds, stamp, host, view.keys, held=held)
 
     def _land(self, key: int, job: Job, hp) -> None:
         """Plan ``hp`` (``plan_size``'s, for ``job``) becomes ``key``'s."""
@@ -184,7 +186,9 @@ class SizePlans:
                                    move_seconds=job.move_seconds, stand_in=not job.trusted,
                                    views_version=job.views_version, keys=job.keys)
         pred = hp.predicted
-        fits = pred.peak_bytes <= job.budget and not pred.forced_offloads
+        # A mix that ran under this budget fits it as it ran (``plan_hybrid``'s ``held``): the
+        # search may choose it where the model reads it over, and that is no warning's case.
+        fits = (pred.peak_bytes <= job.budget and not pred.forced_offloads) or hp.modes in job.held
         if not fits and job.budget not in self.warned_budgets:
             self.warned_budgets.add(job.budget)
             warnings.warn(no_mix_fits(job.budget, hp), RuntimeWarning, stacklevel=2)
