@@ -270,3 +270,20 @@ def test_mixes_on_the_cpu_forces_each_mix_and_holds_the_budget(script, tmp_path)
         assert res["modes"]["full"]["vs_full"] == 1.0
     assert got["ceiling_vs_full"] > 0
     assert "| 64 | keep 1 |" in (tmp_path / "mixes-cpu.md").read_text()
+
+
+def test_mode_gap_never_finds_the_search_below_every_mix_it_tried(script, tmp_path):
+    """A quick run end to end: the exhaustive optimum bounds the mode search from below (a
+    search predicted faster than every mix would mean the two judge mixes differently), the
+    climb never leaves the search behind the families alone, and both are written."""
+    import json
+    mg = script("mode_gap")
+    assert mg.main(["--quick", "--out", str(tmp_path)]) == 0
+    got = json.loads((tmp_path / "mode_gap-cpu.json").read_text())
+    assert len(got["per_case"]) == 4 and got["config"]["climb_passes"] >= 1
+    for row in got["per_case"]:
+        assert row["mixes_tried"] == 2 ** row["blocks"]
+        for tag in ("search", "families"):
+            assert row[tag]["gap"] >= -1e-9, row
+        assert row["search"]["gap"] <= row["families"]["gap"] + 1e-9, row
+    assert "| families |" in (tmp_path / "mode_gap-cpu.md").read_text()
