@@ -119,6 +119,38 @@ def test_a_link_that_slows_tenfold_mid_run_keeps_its_size_recomputing_on_the_rea
     late = [s.block_modes for s in hist[8:]]
     assert all(m[0] < 4 for m in late), late
 
+def test_on_the_real_clock_the_budget_keeps_the_last_block_the_families_recomputed(monkeypatch):
+    # A 6-block transformer at 25% of its peak on a 50 MB/s emulated link (copies too dear to
+    # pay, even with the compute slowed by a loaded machine): the budget holds the last block's
+    # saves unmoved (backward frees them before the first recompute), which the mode search's
+    # families, keeping the first blocks in a row, never tried: they recompute every block. The
+    # climb (planning/modes.py) keeps it, predicted faster on the view learnt on this clock, and
+    # the engine runs it (the hand-built view's twin: test_modes.py's last blocks kept).
+    import chameleon_swap.planning.modes as mode_search
+    from _models import TModel
+    model = TModel(dim=128, n=6, seed=0)
+    x = randn(2, 64, 128, seed=1)
+    budget = int(natural_peak(model, (x,)) * 0.25)
+    with cs.Chameleon(budget, device="cpu", min_tensor_bytes=0, model=model,
+                      emulate_link="50MB/s", plan_in_background=False) as eng:
+        for _ in range(6):
+            model.zero_grad(set_to_none=True)
+            with eng.step():
+                model(x).backward()
+            assert eng.last_step.peak_resident_bytes <= budget
+        modes = eng._policy.modes
+        (key, plan), = modes.plans.items()
+        args = modes._job(key).args[:3]
+        climbed = mode_search.plan_hybrid(*args)
+        monkeypatch.setattr(mode_search, "CLIMB_PASSES", 0)
+        families = mode_search.plan_hybrid(*args)
+        ran = eng.last_step.block_modes
+    assert climbed.modes[-1] == "keep" and families.modes[-1] == "full", (climbed.modes,
+                                                                         families.modes)
+    assert climbed.predicted.total_seconds < families.predicted.total_seconds
+    assert plan.hybrid.modes[-1] == "keep" and ran[0] >= 1, (plan.hybrid.modes, ran)
+
+
 def _upsized_run(engine_kwargs: dict, link_at_long=None) -> list:
     """CheapNet at 40% of its longest step's peak: two steps of one size, then one twice as
     long, larger than every size planned (``link_at_long``: the link the mode policy reads from
