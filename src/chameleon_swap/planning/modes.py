@@ -314,8 +314,9 @@ class _ModeSearch:
         GiB more and is predicted at 1.183x, no stall (0, 1 and 2: 1.283x, 52 ms of stall); on
         the CPU benchmark's keep views at 25% (256x8 at 130 MB/s, 512 tokens) 1.228x -> 1.148x.
         Run there side by side with the search without it (two engines in one process, every
-        step over full recomputation's of its round): 0.950x against 0.987x, and 0.949x against
-        0.960x; at 50% level (0.849x, 0.850x). Two steps found those mixes (four: 1.147x at
+        step over full recomputation's of its round): 0.949x against 0.960x, 0.950x against
+        0.987x and 1.023x against 1.024x, inside that machine's noise; at 50% level (0.849x,
+        0.850x). Two steps found those mixes (four: 1.147x at
         512 tokens); a step costs about a rough plan per block and mode (a size's plan took
         0.2-0.5 s where it took 0.1-0.3 s)."""
         cur = start
