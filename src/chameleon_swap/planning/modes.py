@@ -159,7 +159,8 @@ def plan_hybrid(profile: Profile, blocks: Sequence[Block], budget: Optional[int]
     # they fit. The winner is then planned in full, kept only if that is better still.
     final = plan_swaps(search.view(best), budget, max_evals=max_evals)
     quick = search.plans[best]
-    swap = final if search.key(final.predicted, best) <= search.key(quick.predicted, best) else quick
+    better = search.key(final.predicted, best) <= search.key(quick.predicted, best)
+    swap = final if better else quick
     made = _made(search.view(best), blocks, best, swap, profile)
     lit = (min(profile.d2h_bytes_per_s, profile.h2d_bytes_per_s),     # (all full moves what
            search._plan(full_recompute_modes(blocks)).predicted.moved_bytes)  # no mix avoids)
