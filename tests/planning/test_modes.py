@@ -176,6 +176,14 @@ def _first_kept_best(prof, blocks, budget) -> float:
     return min(p.total_seconds for p in preds if p.budget_ok)
 
 
+@pytest.fixture
+def climbing(monkeypatch):
+    """The mode search's climb on (``CLIMB_PASSES``, off by default: see ``climb``)."""
+    from chameleon_swap.planning import modes
+    monkeypatch.setattr(modes, "CLIMB_PASSES", 2)
+
+
+@pytest.mark.usefixtures("climbing")
 @pytest.mark.parametrize("name", ["h4096-unreached-16384", "h4096-unreached-8192"])
 def test_on_the_h100_trace_a_recomputed_block_between_kept_ones_gives_the_link_its_forward(name):
     # At 25% the link (54 GB/s) copies about 1 GiB in a block's forward, and each block saves
@@ -194,6 +202,7 @@ def test_on_the_h100_trace_a_recomputed_block_between_kept_ones_gives_the_link_i
         assert hp.predicted.total_seconds < 1.20 * sum(prof.compute)   # issue 18's GPU target
 
 
+@pytest.mark.usefixtures("climbing")
 def test_the_last_blocks_stay_kept_where_the_budget_holds_them_unmoved():
     # A budget of one kept block's peak (its saves held through the step, then a recompute's
     # working set) holds the last two blocks' saves too: backward frees them before the first
@@ -623,6 +632,7 @@ def test_a_fallback_moves_next_to_nothing_fits_and_is_another_mix(n_blocks, per_
         assert set(fb.modes) <= {"keep", "full"}
 
 
+@pytest.mark.usefixtures("climbing")
 def test_a_quiet_mix_that_does_less_work_stays_whatever_noise_ranks_above_it():
     # Two blocks kept and two full, nothing moved, runs at this size; a step of noise read it
     # slower than all four full ran. Keeping a block instead of recomputing it, moving nothing,

@@ -128,6 +128,7 @@ def test_on_the_real_clock_the_budget_keeps_the_last_block_the_families_recomput
     # the engine runs it (the hand-built view's twin: test_modes.py's last blocks kept).
     import chameleon_swap.planning.modes as mode_search
     from _models import TModel
+    monkeypatch.setattr(mode_search, "CLIMB_PASSES", 2)       # (off by default: see climb)
     model = TModel(dim=128, n=6, seed=0)
     x = randn(2, 64, 128, seed=1)
     budget = int(natural_peak(model, (x,)) * 0.25)
