@@ -50,7 +50,7 @@ from . import keep_views
 from .checks import MISS   # a mix that ran this much slower than planned: planned again
 from .keep_views import KeepView
 from .lean import LeanSizes
-from .mix_runs import ModePlan, MixRuns, Trials, moved, outran, source, upsized
+from .mix_runs import TRIAL_STEPS, ModePlan, MixRuns, Trials, moved, outran, source, upsized
 from .size_plans import Job, SizePlans
 
 REPLAN_BUDGET_CHANGE = 0.05     # a budget that moved by more than this re-plans the key
@@ -352,6 +352,9 @@ class BlockModes(SizePlans):
             return
         # Its low median, as mixes are ranked (noise only slows a step): of two step times the
         # median is their mean, so one slow step of two started a trial or weighed in its verdict.
+        # A trial reads the faster of its last two steps, as the fallback's two are read
+        # (``mix_runs``: against one step, a fallback as fast as the plan stayed in 27% of trials
+        # under a simulated shared CPU's noise, 9% against two).
         pred, ran = self.predicted_seconds() or float("inf"), statistics.median_low(seen)
         # Tried against its fallback where it ran over its prediction, or copies over MISS of
         # the step on the link, or runs selective (one probe): those two though it ran as
@@ -359,8 +362,10 @@ class BlockModes(SizePlans):
         p = plan.hybrid.predicted
         unsure = (p.moved_bytes / min(self.bandwidth_fn()) > MISS * p.total_seconds
                   or "selective" in plan.hybrid.modes)
-        tried = (ran > pred * (1 + MISS) or unsure) and not outran(plan.hybrid, pred, ran) \
-            and self.trials.start(self.key, plan, ran)
+        want = (ran > pred * (1 + MISS) or unsure) and not outran(plan.hybrid, pred, ran)
+        if want and len(seen) < TRIAL_STEPS:
+            return      # its trial waits for as many steps of its own as its fallback will run
+        tried = want and self.trials.start(self.key, plan, min(seen[-TRIAL_STEPS:]))
         if tried:
             self.plans[self.key] = tried  # its fallback runs next (``mix_runs.Trials``)
         elif n == 2 and seen[-1] > pred * (1 + MISS):

@@ -22,7 +22,13 @@ against the mix the plan chose once per size (``Trials``), where the mix ran slo
 predicted or copies or recomputes selectively, and did not outrun its fallback's prediction
 (``outran``); after its second step (the faster of its two: a fallback moves next to nothing,
 so its first step runs no stand-in swap plan) the faster stays, by more than ``SWITCH_GAIN``
-(one step's time varies by 10-30% on a shared CPU). Three steps, the first standing in, cost
+(one step's time varies by 10-30% on a shared CPU). Like with like: the plan is read by the
+faster of its own last two steps, so its trial waits until it has run two beside its stand-in.
+Noise only slows a step, and the faster of two reads faster than one: against one step of the
+plan, a fallback exactly as fast stayed in 27% of trials under a shared CPU's noise as
+simulated (a step 1 + |N(0, 0.12)| of its time, one in five 10-50% slower), one 5% slower in
+17%; against the faster of two, 9% and 4% (the emulated-link benchmark's sizes at 25% went to
+more recomputed blocks on such trials late in a run). Three steps, the first standing in, cost
 the emulated-link benchmark's 25% runs a step per size at all full's time, about 4% over the
 mix it kept, in a timed window of four visits a size; over 294 changes of mix in this project's
 recorded runs, a new mix's first step read a median 1.04x the faster of its next two, the
@@ -120,13 +126,14 @@ class Trials:
     """The fallback trials of ``block_modes.BlockModes``, one per size at most."""
 
     def __init__(self) -> None:
-        self.by_key: dict = {}     # key -> (plan that ran, its low median, the fallback's plan)
+        self.by_key: dict = {}     # key -> (plan that ran, its time (start), the fallback's plan)
 
     def start(self, key: int, plan, ran: float):
         """``plan`` (a ``ModePlan``) with its mix replaced by its fallback's, to run next at
-        ``key`` (its mix ran at low median ``ran``); None where it has no fallback, or the size had
-        its trial, or the plan does no more work than its fallback (``dominates``: one kept
-        block and seven full, nothing copied, against all full, where only noise can decide)."""
+        ``key`` (``ran``: the faster of its mix's last ``TRIAL_STEPS`` steps, as the fallback's
+        are read); None where it has no fallback, or the size had its trial, or the plan does
+        no more work than its fallback (``dominates``: one kept block and seven full, nothing
+        copied, against all full, where only noise can decide)."""
         fb, hp = plan.hybrid.fallback, plan.hybrid
         if fb is None or key in self.by_key or (
                 hp.predicted is not None and fb.predicted is not None
@@ -147,10 +154,10 @@ class Trials:
         """After the fallback's ``n``-th step at ``key`` (``seen``: its kept step times, the
         first among them only where it was faster than the second): at its ``TRIAL_STEPS``-th,
         the plan to go back to where the fastest of those was not clearly faster than the plan
-        ran, else None (it stays); None before. The fastest, as mixes are ranked (noise only
-        slows a step): decided on one step, the CPU demo's 160-token size went back to a mix at
-        130-134 ms after all full's second step read 190 ms, where checkpointing's steps ran
-        100-145 ms."""
+        ran (``start``'s ``ran``), else None (it stays); None before. The fastest, as mixes are
+        ranked (noise only slows a step): decided on one step, the CPU demo's 160-token size
+        went back to a mix at 130-134 ms after all full's second step read 190 ms, where
+        checkpointing's steps ran 100-145 ms."""
         if n != TRIAL_STEPS:
             return None
         plan, ran, _ = self.by_key[key]
