@@ -368,7 +368,7 @@ class BlockModes(SizePlans):
         tried = want and self.trials.start(self.key, plan, min(seen[-TRIAL_STEPS:]))
         if tried:
             self.plans[self.key] = tried  # its fallback runs next (``mix_runs.Trials``)
-        elif n == 2 and seen[-1] > pred * (1 + MISS):
+        elif len(seen) == TRIAL_STEPS and seen[-1] > pred * (1 + MISS):   # (once a mix)
             self.stale.add(self.key)      # ranked now by what it ran at: planned again, once
 
     def measured(self, key: int, block_ids: list) -> dict:
