@@ -220,7 +220,9 @@ EMULATED = {"after-session20-256x8": "256x8 (c59b193)",
             "after-session29-256x8-run3": "256x8 (99a2cd9), run 3",
             "after-session29-256x8-long": "256x8, long (1559fe3)",
             "after-session30-256x8": "256x8 (3783b8a, session 30)",
-            "after-session30-256x8-run2": "256x8 (3783b8a), run 2"}
+            "after-session30-256x8-run2": "256x8 (3783b8a), run 2",
+            "after-session31-256x8": "256x8 (de6a1a1, session 31)",
+            "after-session31-256x8-run2": "256x8 (5593124), run 2"}
 
 
 def emulated_block(results: Path) -> str:
