@@ -27,8 +27,9 @@ faster of its own last two steps, so its trial waits until it has run two beside
 Noise only slows a step, and the faster of two reads faster than one: against one step of the
 plan, a fallback exactly as fast stayed in 27% of trials under a shared CPU's noise as
 simulated (a step 1 + |N(0, 0.12)| of its time, one in five 10-50% slower), one 5% slower in
-17%; against the faster of two, 9% and 4% (the emulated-link benchmark's sizes at 25% went to
-more recomputed blocks on such trials late in a run). Three steps, the first standing in, cost
+17%; against the faster of two, 9% and 4% (in a diagnostic run of the emulated-link
+benchmark's Llama at 25%, 256 tokens left five kept blocks for three on such a trial: the plan's
+one step 0.396 s, the fallback's 0.340 s and 0.392 s). Three steps, the first standing in, cost
 the emulated-link benchmark's 25% runs a step per size at all full's time, about 4% over the
 mix it kept, in a timed window of four visits a size; over 294 changes of mix in this project's
 recorded runs, a new mix's first step read a median 1.04x the faster of its next two, the
