@@ -350,9 +350,9 @@ class BlockModes(SizePlans):
                 self.plans[self.key] = back         # planned again on what both ran at
                 self.stale.add(self.key)
             return
-        # Its low median, as mixes are ranked (noise only slows a step): of two step times the
-        # median is their mean, so one slow step of two started a trial or weighed in its verdict.
-        # A trial reads the faster of its last two steps, as the fallback's two are read
+        # Its low median (noise only slows a step): of two step times the median is their mean,
+        # so one slow step of two started a trial or weighed in its verdict. A trial reads the
+        # faster of its last two steps, as the fallback's two are read and mixes are ranked
         # (``mix_runs``: against one step, a fallback as fast as the plan stayed in 27% of trials
         # under a simulated shared CPU's noise, 9% against two).
         pred, ran = self.predicted_seconds() or float("inf"), statistics.median_low(seen)

@@ -2,11 +2,16 @@
 
 A mode plan is chosen on a model; what the mix then runs at is the truth the model answers to.
 Each step's time is kept against the mix it ran (its blocks' modes as run, so a probe or a block
-run full for host room counts as the mix it made) and its step size; the low median of the last
-``RUNS_KEPT`` ranks the mix when its size is planned again (``planning.modes.plan_hybrid``). Low:
-of two, the faster. A shared machine's noise only slows a step, and the mean of two let one slow
-step rank a mix above another it ran faster than (HF Llama 256x4 at 75%, 384 tokens: swap only
-ran 139 ms, then 202 ms on a step whose copies stalled; read at 170 ms, it lost to a mix at 153).
+run full for host room counts as the mix it made) and its step size; the faster of its last two
+ranks the mix when its size is planned again (``planning.modes.plan_hybrid``). A shared machine's
+noise only slows a step, and the mean of two let one slow step rank a mix above another it ran
+faster than (HF Llama 256x4 at 75%, 384 tokens: swap only ran 139 ms, then 202 ms on a step
+whose copies stalled; read at 170 ms, it lost to a mix at 153). The same count for every mix:
+the middle of three (the low median of ``RUNS_KEPT``, until session 31) read a mix that ran
+three steps slower than one as fast that ran two (a fallback after its trial), read at the
+faster of its two. In three instrumented runs of the emulated-link benchmark's Llama at 25%,
+each of the four times the search left a size's running mix it went to such a mix, one that
+had run two steps against one read at the middle of three.
 
 A mix's first step at a size runs on the guard's swap plan or one made from estimates, slower
 than the mix will run: it stands for the mix until its second step replaces it. Left out, a mix
@@ -46,7 +51,6 @@ The warnings a mode plan gives (no mix fits the budget, or the host room) are wo
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -74,7 +78,7 @@ class ModePlan:
     entry: object = None        # (hybrid, its swap set as a plan by keys): ``swap_jobs.mode_entry``
 
 
-RUNS_KEPT = 3                   # step times kept per mix and size (their low median ranks it)
+RUNS_KEPT = 3                   # step times kept per mix and size (the last two rank it)
 TRIAL_STEPS = 2                 # a fallback's steps on trial: the faster of them decides
 
 
@@ -110,9 +114,9 @@ class MixRuns:
                 yield tuple(modes[b] for b in block_ids), mix, secs
 
     def measured(self, key: int, block_ids: list) -> dict:
-        """Mixes (modes in ``block_ids`` order) that ran at ``key``, with their low median
-        time."""
-        return {m: statistics.median_low(secs) for m, _, secs in self._ran(key, block_ids)}
+        """Mixes (modes in ``block_ids`` order) that ran at ``key``, with the faster of their
+        last ``TRIAL_STEPS`` kept times (the one where they have one)."""
+        return {m: min(secs[-TRIAL_STEPS:]) for m, _, secs in self._ran(key, block_ids)}
 
     def held(self, key: int, block_ids: list, budget: int) -> set:
         """Mixes (as ``measured``'s) whose kept runs at ``key`` all ran under a budget no larger
