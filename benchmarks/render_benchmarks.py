@@ -223,7 +223,8 @@ EMULATED = {"after-session20-256x8": "256x8 (c59b193)",
             "after-session30-256x8-run2": "256x8 (3783b8a), run 2",
             "after-session31-256x8": "256x8 (de6a1a1, session 31)",
             "after-session31-256x8-run2": "256x8 (5593124), run 2",
-            "after-session31-256x8-run3": "256x8 (1b4cac5), run 3"}
+            "after-session31-256x8-run3": "256x8 (1b4cac5), run 3",
+            "after-session31-256x8-run4": "256x8 (1b4cac5), run 4"}
 
 
 def emulated_block(results: Path) -> str:
