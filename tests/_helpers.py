@@ -123,3 +123,15 @@ def steady_planning(monkeypatch, tick: float = 50e-6) -> None:
     # step's (``checks.pinned``), which leaves a step out of what the plans learn.
     monkeypatch.setattr(cpu_copy.CpuCopyEngine, "take_cpu", lambda self: 0.0)
     monkeypatch.setattr(checks, "pinned", lambda profile: False)
+
+
+def shared_cpu_noise(seed: int = 0) -> Callable[[], float]:
+    """A step's time over its true time on a shared CPU, as the trial and ranking tests script
+    it (noise only slows a step): 1 + |N(0, 0.12)|, one step in five 10-50% slower instead.
+    Seeded: the same draws every run."""
+    import random
+    rng = random.Random(seed)
+
+    def noise() -> float:
+        return 1 + (abs(rng.gauss(0, 0.12)) if rng.random() < 0.8 else rng.uniform(0.1, 0.5))
+    return noise

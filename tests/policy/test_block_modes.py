@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 import chameleon_swap as cs
 
-from _helpers import (assert_bitwise, compare, grads, natural_peak, steady_planning,
-                      train_beside, train_step)
+from _helpers import (assert_bitwise, compare, grads, natural_peak, shared_cpu_noise,
+                      steady_planning, train_beside, train_step)
 from _models import SPEC_BLOCKS, lm_batches, randn, random_model, tiny_llama, tiny_moe
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")   # see conftest.py
@@ -758,11 +758,7 @@ def test_a_fallback_as_fast_as_its_plan_seldom_wins_its_trial_on_noise():
     # five 10-50% slower instead (a shared CPU's noise only slows a step). The fallback stays in
     # 10 of 200 trials (a size's plan decided by noise); judged against one step of the plan,
     # as before, it stayed in 56.
-    import random
-    rng = random.Random(0)
-
-    def noise() -> float:
-        return 1 + (abs(rng.gauss(0, 0.12)) if rng.random() < 0.8 else rng.uniform(0.1, 0.5))
+    noise = shared_cpu_noise()
     stayed = 0
     for _ in range(200):
         modes, step, pred, hp = _scripted_modes()

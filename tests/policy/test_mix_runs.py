@@ -5,6 +5,8 @@ from types import SimpleNamespace
 
 from chameleon_swap.policy.mix_runs import RUNS_KEPT, MixRuns
 
+from _helpers import shared_cpu_noise
+
 
 def calls(*modes):
     # First calls of blocks 0, 1, ... in call order (the mix is kept sorted by block).
@@ -93,16 +95,12 @@ def test_two_mixes_as_fast_are_seldom_ranked_apart_by_noise():
     # one in five 10-50% slower instead (a shared CPU's noise only slows a step). How often the
     # second reads 10% ahead of the first (the gain a switch asks for): 46 of 400 with the
     # faster of the last two for both; with the middle of three against the faster of two, 87.
-    import random
-    rng = random.Random(0)
-
-    def noise() -> float:
-        return 1 + (abs(rng.gauss(0, 0.12)) if rng.random() < 0.8 else rng.uniform(0.1, 0.5))
+    noise = shared_cpu_noise()
     apart = 0
     for _ in range(400):
         runs = MixRuns()
-        for _ in range(4):
-            runs.add(7, calls("keep", "full"), 3.0 if _ == 0 else noise())
+        for i in range(4):
+            runs.add(7, calls("keep", "full"), 3.0 if i == 0 else noise())
         for _ in range(2):
             runs.add(7, calls("full", "full"), noise())
         got = runs.measured(7, [0, 1])
