@@ -18,7 +18,9 @@ c308ca2):
   --size gpu``);
 * ``h100-hooks``: ``hook_cost-h100.json`` (``benchmarks/hook_cost.py --device cuda``);
 * ``cpu-emulated``: ``hybrid-emulated-<label>-cpu.json`` (``benchmarks/hybrid.py --emulate-link
-  130MB/s`` or ``140MB/s``, this project's 2-core CPU), the hybrid against issue 18's CPU targets.
+  130MB/s`` or ``140MB/s``, this project's 2-core CPU), the hybrid against issue 18's CPU targets;
+* ``cpu-pooled``: the same runs pooled, per target: the median over runs with a bootstrap
+  interval, and whether the runs decide the target met or missed.
 
 Needs only the standard library (no torch).
 """
@@ -26,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import re
+import statistics
 import sys
 from pathlib import Path
 from typing import Callable
@@ -227,6 +231,13 @@ EMULATED = {"after-session20-256x8": "256x8 (c59b193)",
             "after-session31-256x8-run4": "256x8 (1b4cac5), run 4"}
 
 
+def _emulated(results: Path, label: str) -> dict:
+    path = results / f"hybrid-emulated-{label}-cpu.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: BENCHMARKS.md's tables are rendered from it")
+    return json.loads(path.read_text())
+
+
 def emulated_block(results: Path) -> str:
     """Issue 18's CPU targets, step for step (``paired_vs``: the hybrid's step over another
     mode's at the same length in the same round), the modes' own medians in brackets."""
@@ -235,11 +246,7 @@ def emulated_block(results: Path) -> str:
            "| --- | --- | --- | --- | --- | --- | --- |"]
     for label, name in EMULATED.items():
         file = f"hybrid-emulated-{label}-cpu"
-        path = results / f"{file}.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing: BENCHMARKS.md's tables are rendered "
-                                    f"from it")
-        d = json.loads(path.read_text())
+        d = _emulated(results, label)
         r, c = d["results"], d["config"]
 
         def cell(pct: str, mode: str, vs: str, bold: float) -> str:
@@ -267,9 +274,78 @@ def emulated_block(results: Path) -> str:
     return "\n".join(out)
 
 
+# Issue 18's CPU targets: (budget, the hybrid's step over which mode's, at most, its words).
+TARGETS = (("25%", "full-recompute", 0.95, "0.95x full recomputation's step"),
+           ("50%", "selective-recompute", 1.0, "selective recomputation's step"),
+           ("75%", "none", 1.03, "1.03x the plain step"))
+POOL_LATEST = 8          # the pooled table's second window: the latest runs alone
+DRAWS, LEVEL = 4000, 0.90
+
+
+def _interval(values: list, draws: int = DRAWS, level: float = LEVEL) -> tuple:
+    """The ``level`` bootstrap interval of the median of ``values`` (one per run), resampling
+    runs ``draws`` times with a fixed seed, so that the document renders the same every time."""
+    rng = random.Random(0)
+    n = len(values)
+    meds = sorted(statistics.median(values[rng.randrange(n)] for _ in range(n))
+                  for _ in range(draws))
+    tail = int(draws * (1 - level) / 2)
+    return meds[tail], meds[draws - 1 - tail]
+
+
+def verdict(low: float, high: float, target: float) -> str:
+    """Met where the whole interval is at or under the target, missed where it is over it;
+    otherwise these runs do not decide."""
+    if high <= target:
+        return "**met**"
+    return "missed" if low > target else "not decided"
+
+
+def _pool_key(d: dict) -> tuple:
+    c = d["config"]
+    return (c.get("model"), c["hidden"], c["layers"], tuple(c["lengths"]), c["emulated_link"])
+
+
+def pooled_block(results: Path) -> str:
+    """Issue 18's CPU targets over many runs: the emulated runs of the latest run's config and
+    link, each run's step-for-step cell (as in ``emulated_block``) one sample; the median over
+    runs, its bootstrap interval, how many runs met, and what the interval decides. Every run,
+    then the latest ``POOL_LATEST`` (the engine changed between runs: the latest are the closest
+    to what it is now)."""
+    runs = [(label, _emulated(results, label)) for label in EMULATED]
+    key = _pool_key(runs[-1][1])
+    runs = [(label, d) for label, d in runs if _pool_key(d) == key]
+    model, hidden, layers, lengths, link = key
+    out = [f"Pooled: {hidden}x{layers} at {', '.join(map(str, lengths))} tokens on {link}. "
+           f"The median over runs of each run's cell above, its {LEVEL:.0%} bootstrap interval "
+           f"(runs resampled), and the verdict: met where the whole interval is within the "
+           f"target, missed where it is all beyond it.", "",
+           "| runs | target | median | interval | runs met | verdict |",
+           "| --- | --- | --- | --- | --- | --- |"]
+    windows = [(f"all {len(runs)} ({EMULATED[runs[0][0]]} ... {EMULATED[runs[-1][0]]})", runs)]
+    if len(runs) > POOL_LATEST:
+        late = runs[-POOL_LATEST:]
+        windows.append((f"latest {POOL_LATEST} (from {EMULATED[late[0][0]]})", late))
+    for name, window in windows:
+        for pct, vs, target, words in TARGETS:
+            cells = [d["results"][pct][f"hybrid@{pct}"]["paired_vs"][vs] for _, d in window]
+            low, high = _interval(cells)
+            met = sum(c <= target for c in cells)
+            out.append(f"| {name} | hybrid@{pct}: {words} | {statistics.median(cells):.3f} | "
+                       f"{low:.3f}-{high:.3f} | {met} of {len(cells)} | "
+                       f"{verdict(low, high, target)} |")
+        floor = [d["results"]["75%"]["hooks"]["paired_ratio_vs_none"] for _, d in window
+                 if "hooks" in d["results"]["75%"]]
+        if floor:
+            low, high = _interval(floor)
+            out.append(f"| {name} | hooks@75% / none (no target: the floor) | "
+                       f"{statistics.median(floor):.3f} | {low:.3f}-{high:.3f} | - | - |")
+    return "\n".join(out)
+
+
 BLOCKS: dict[str, Callable[[Path], str]] = {
     "h100-env": env_block, "h100-llama": llama_block, "h100-dit": dit_block,
-    "h100-hooks": hooks_block, "cpu-emulated": emulated_block}
+    "h100-hooks": hooks_block, "cpu-emulated": emulated_block, "cpu-pooled": pooled_block}
 
 
 # --------------------------------------------------------------------------- the document

@@ -83,3 +83,39 @@ def test_a_missing_block_or_file_is_named(render, tmp_path):
         render.render("# nothing here\n")
     with pytest.raises(FileNotFoundError, match="hybrid-h100-4096x8.json is missing"):
         render.render((ROOT / "BENCHMARKS.md").read_text(), tmp_path)
+
+
+def test_the_pooled_verdict_is_what_the_interval_decides(render):
+    assert render.verdict(0.90, 0.95, 0.95) == "**met**"
+    assert render.verdict(0.951, 0.99, 0.95) == "missed"
+    assert render.verdict(0.93, 0.97, 0.95) == "not decided"
+    values = [0.9, 1.1, 1.0, 0.95, 1.05, 0.97]
+    low, high = render._interval(values)
+    assert min(values) <= low <= render.statistics.median(values) <= high <= max(values)
+    assert render._interval(values) == (low, high)          # the document renders the same
+    assert render._interval([1.0] * 5) == (1.0, 1.0)
+
+
+def test_pooled_runs_follow_their_files_and_pool_one_config(render, tmp_path):
+    results = _copied_results(render, tmp_path)
+    pooled = [label for label in render.EMULATED
+              if render._pool_key(render._emulated(results, label))
+              == render._pool_key(render._emulated(results, list(render.EMULATED)[-1]))]
+    for label in pooled:                     # every pooled run meets 25% and misses 50%
+        path = results / f"hybrid-emulated-{label}-cpu.json"
+        d = json.loads(path.read_text())
+        d["results"]["25%"]["hybrid@25%"]["paired_vs"]["full-recompute"] = 0.9
+        d["results"]["50%"]["hybrid@50%"]["paired_vs"]["selective-recompute"] = 1.1
+        path.write_text(json.dumps(d))
+    block = render.pooled_block(results)
+    n = len(pooled)
+    rows = [line for line in block.splitlines() if line.startswith(f"| all {n} (")]
+    assert len(rows) == 4, block
+    assert f"| 0.900 | 0.900-0.900 | {n} of {n} | **met** |" in rows[0]
+    assert f"| 1.100 | 1.100-1.100 | 0 of {n} | missed |" in rows[1]
+    # A run on another link is not pooled with the rest.
+    path = results / f"hybrid-emulated-{pooled[0]}-cpu.json"
+    d = json.loads(path.read_text())
+    d["config"]["emulated_link"] = "999MB/s"
+    path.write_text(json.dumps(d))
+    assert f"| all {n - 1} (" in render.pooled_block(results)
