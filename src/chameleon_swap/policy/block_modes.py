@@ -50,7 +50,8 @@ from . import keep_views
 from .checks import MISS   # a mix that ran this much slower than planned: planned again
 from .keep_views import KeepView
 from .lean import LeanSizes
-from .mix_runs import TRIAL_STEPS, ModePlan, MixRuns, Trials, moved, outran, source, upsized
+from .mix_runs import (TRIAL_STEPS, ModePlan, MixRuns, Trials, may_win, moved, outran,
+                       source, upsized)
 from .size_plans import Job, SizePlans
 
 REPLAN_BUDGET_CHANGE = 0.05     # a budget that moved by more than this re-plans the key
@@ -350,18 +351,17 @@ class BlockModes(SizePlans):
                 self.plans[self.key] = back         # planned again on what both ran at
                 self.stale.add(self.key)
             return
-        # The faster of its last two steps (noise only slows a step), as its trial, its fallback
-        # and the ranking read steps (``mix_runs``). Read by its low median of up to three, a
-        # plan on its prediction tried its fallback on noise in 182 of 400 scripted sizes, 123
-        # now, and one slow second step planned it again (59; ``test_block_modes``).
+        # The faster of its last two steps, as trials and the ranking read steps (``mix_runs``;
+        # by its low median of three a plan on its prediction was tried on noise more often).
         pred, ran = self.predicted_seconds() or float("inf"), min(seen[-TRIAL_STEPS:])
-        # Tried against its fallback where it ran over its prediction, or copies over MISS of
-        # the step on the link, or runs selective (one probe): those two though it ran as
-        # predicted; each, unless its model rules the fallback out (``outran``)
-        p = plan.hybrid.predicted
+        # Tried against its fallback where it ran over its prediction, unless its model rules
+        # the fallback out (``outran``); or where it copies over MISS of the step on the link or
+        # runs selective (one probe), though it ran as predicted, if the fallback may win
+        p, hp = plan.hybrid.predicted, plan.hybrid
         unsure = (p.moved_bytes / min(self.bandwidth_fn()) > MISS * p.total_seconds
-                  or "selective" in plan.hybrid.modes)
-        want = (ran > pred * (1 + MISS) or unsure) and not outran(plan.hybrid, pred, ran)
+                  or "selective" in hp.modes)
+        want = ((ran > pred * (1 + MISS) and not outran(hp, pred, ran))
+                or (unsure and may_win(hp, pred, ran)))
         if want and len(seen) < TRIAL_STEPS:
             return      # its trial waits for as many steps of its own as its fallback will run
         tried = want and self.trials.start(self.key, plan, ran)

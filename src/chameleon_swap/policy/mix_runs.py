@@ -192,6 +192,23 @@ def outran(hp, pred: float, ran: float) -> bool:
     return fb.predicted.total_seconds * pred / own.total_seconds > ran * (1 + SWITCH_GAIN)
 
 
+def may_win(hp, pred: float, ran: float) -> bool:
+    """Whether the fallback of mode plan ``hp`` (predicted at ``pred`` seconds at this step's
+    size, run at ``ran``) is predicted no slower than the plan ran: asked where the plan ran as
+    predicted but its model is least sure of it (it copies, or recomputes selectively). Its run
+    bore the model out; a fallback predicted slower could stay only on a model wrong by more
+    than ``MISS`` about a mix that moves nothing, the kind it is surest of. Before (a trial
+    wherever the fallback was predicted within ``SWITCH_GAIN`` of the run), such trials ran in
+    the timed window of the emulated-link benchmark at 25%: HF Llama 256x8 at 384 tokens, three
+    kept blocks ran 0.58-0.59 s as predicted (0.596 s), its fallback all full 0.55 and 0.70 s,
+    and went back; two of a size's four timed visits at all full's time."""
+    fb, own = hp.fallback, hp.predicted
+    if fb is None or fb.predicted is None or own is None or own.total_seconds <= 0 \
+            or not math.isfinite(pred):
+        return False
+    return fb.predicted.total_seconds * pred / own.total_seconds <= ran
+
+
 def source(p: Optional[ModePlan], key: Optional[int], visits: dict) -> Optional[str]:
     """plan_source of a step run on mode plan ``p`` at size ``key``: "replanned" (the first step
     on a plan made again after its predictions missed), "cache" (a size seen before, on its own
