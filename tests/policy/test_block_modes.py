@@ -633,6 +633,22 @@ def test_a_mix_that_copies_is_checked_against_its_fallback_though_it_ran_as_pred
     assert tried == (copies > 0.1 * hp.predicted.total_seconds and fallback <= 1.0), copies
 
 
+def test_whether_a_fallback_may_win_or_is_outrun_is_read_at_the_steps_size():
+    # mix_runs.may_win and outran, directly: the fallback's prediction scaled as the plan's is
+    # (``pred``: the plan's own prediction at this step's size). Where either prediction is not
+    # known, the fallback may win and is not outrun (the trial's own checks decide).
+    from chameleon_swap.policy.mix_runs import may_win, outran
+    modes, step, pred, hp = _scripted_modes()
+    hp = _fallback_predicted(modes, hp, 1.05)
+    own = hp.predicted.total_seconds
+    assert not may_win(hp, own, own) and may_win(hp, own, 1.06 * own)
+    assert not may_win(hp, 2 * own, 2 * own) and may_win(hp, 2 * own, 2.11 * own)  # scaled
+    assert outran(hp, own, 0.95 * own) and not outran(hp, own, 0.96 * own)   # 1.05 > 0.95 x 1.1
+    assert may_win(hp, float("inf"), own) and not outran(hp, float("inf"), own)
+    bare = replace(hp, fallback=None)
+    assert may_win(bare, own, own) and not outran(bare, own, own)
+
+
 @pytest.mark.parametrize("fallback", [1.25, 1.5])
 def test_a_mix_that_ran_slow_is_tried_against_its_fallback_where_the_fallback_could_win(
         fallback):

@@ -24,10 +24,11 @@ waited 56 ms; read at 349 against all full's 216, the size left the mix for good
 
 A plan's fallback (``HybridPlan.fallback``: the best other mix moving next to nothing) is run
 against the mix the plan chose once per size (``Trials``), where the mix ran slower than
-predicted or copies or recomputes selectively, and did not outrun its fallback's prediction
-(``outran``); after its second step (the faster of its two: a fallback moves next to nothing,
-so its first step runs no stand-in swap plan) the faster stays, by more than ``SWITCH_GAIN``
-(one step's time varies by 10-30% on a shared CPU). Like with like: the plan is read by the
+predicted and did not outrun its fallback's prediction (``outran``), or copies or recomputes
+selectively and ran no faster than its fallback is predicted (``may_win``); after its second
+step (the faster of its two: a fallback moves next to nothing, so its first step runs no
+stand-in swap plan) the faster stays, by more than ``SWITCH_GAIN`` (one step's time varies by
+10-30% on a shared CPU). Like with like: the plan is read by the
 faster of its own last two steps, so its trial waits until it has run two beside its stand-in,
 and that reading also says whether it ran slower than predicted (by the low median of up to
 three, a plan on its prediction was tried on noise in 182 of 400 scripted sizes, now 123).
@@ -185,11 +186,8 @@ def outran(hp, pred: float, ran: float) -> bool:
     all kept on a 1 GB/s emulated link: 100-118 ms against 102 predicted, and where two slow
     steps of three read 115 ms, over the prediction by 13%, all full, predicted 221-231 ms, ran
     its trial at 221-238 ms: 2 runs in 30 before this rule, three steps at 2.2x each)."""
-    fb, own = hp.fallback, hp.predicted
-    if fb is None or fb.predicted is None or own is None or own.total_seconds <= 0 \
-            or not math.isfinite(pred):
-        return False
-    return fb.predicted.total_seconds * pred / own.total_seconds > ran * (1 + SWITCH_GAIN)
+    at = _fallback_at(hp, pred)
+    return at is not None and at > ran * (1 + SWITCH_GAIN)
 
 
 def may_win(hp, pred: float, ran: float) -> bool:
@@ -201,12 +199,20 @@ def may_win(hp, pred: float, ran: float) -> bool:
     wherever the fallback was predicted within ``SWITCH_GAIN`` of the run), such trials ran in
     the timed window of the emulated-link benchmark at 25%: HF Llama 256x8 at 384 tokens, three
     kept blocks ran 0.58-0.59 s as predicted (0.596 s), its fallback all full 0.55 and 0.70 s,
-    and went back; two of a size's four timed visits at all full's time."""
+    and went back; two of a size's four timed visits at all full's time. Where either is not
+    known, it may."""
+    at = _fallback_at(hp, pred)
+    return at is None or at <= ran
+
+
+def _fallback_at(hp, pred: float) -> Optional[float]:
+    """What mode plan ``hp``'s fallback is predicted to take at the size its own prediction is
+    scaled to ``pred`` at (None where either is not known)."""
     fb, own = hp.fallback, hp.predicted
     if fb is None or fb.predicted is None or own is None or own.total_seconds <= 0 \
             or not math.isfinite(pred):
-        return False
-    return fb.predicted.total_seconds * pred / own.total_seconds <= ran
+        return None
+    return fb.predicted.total_seconds * pred / own.total_seconds
 
 
 def source(p: Optional[ModePlan], key: Optional[int], visits: dict) -> Optional[str]:
