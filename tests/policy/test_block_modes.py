@@ -604,6 +604,17 @@ def _fallback_predicted(modes, hp, ratio: float):
     return _runs(modes, replace(hp, fallback=fb))
 
 
+def _scripted_after_stand_in(link: float, fallback: float):
+    """The scripted plan (``_scripted_modes``) on a link of ``link`` bytes/s each way, its
+    fallback predicted at ``fallback`` x its own prediction, after its first step (which stands
+    in): ``(modes, step, pred, hp)`` as ``_scripted_modes`` gives them."""
+    modes, step, pred, hp = _scripted_modes()
+    modes.bandwidth_fn = lambda: (link, link)
+    hp = _fallback_predicted(modes, hp, fallback)
+    step(3 * pred)
+    return modes, step, pred, hp
+
+
 def _runs(modes, hp, **changes):
     """The scripted plan (``_scripted_modes``) made to run hybrid plan ``hp`` (its mix with it;
     ``changes``: other fields of the ``ModePlan``); returns ``hp``."""
@@ -778,10 +789,7 @@ def test_a_fallback_as_fast_as_its_plan_seldom_wins_its_trial_on_noise():
     noise = shared_cpu_noise()
     stayed = 0
     for _ in range(200):
-        modes, step, pred, hp = _scripted_modes()
-        modes.bandwidth_fn = lambda: (1e8, 1e8)
-        hp = _fallback_predicted(modes, hp, 1.0)
-        step(3 * pred)                          # stands in
+        modes, step, pred, hp = _scripted_after_stand_in(1e8, 1.0)
         for _ in range(8):
             if modes.plans[5].hybrid is hp.fallback:
                 break
@@ -806,10 +814,7 @@ def test_a_plan_on_its_prediction_seldom_misses_on_noise():
     median = statistics.median(shared_cpu_noise(7)() for _ in range(20000))
     tried = replanned = 0
     for _ in range(400):
-        modes, step, pred, hp = _scripted_modes()
-        modes.bandwidth_fn = lambda: (1e13, 1e13)
-        hp = _fallback_predicted(modes, hp, 1.05)
-        step(3 * pred)                          # stands in
+        modes, step, pred, hp = _scripted_after_stand_in(1e13, 1.05)
         for _ in range(10):
             step(pred * noise() / median)
             if modes.plans[5].hybrid is hp.fallback:
