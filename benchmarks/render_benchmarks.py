@@ -232,7 +232,9 @@ EMULATED = {"after-session20-256x8": "256x8 (c59b193)",
             "after-session32-256x8": "256x8 (e359a51, session 32)",
             "after-session32-256x8-run2": "256x8 (e359a51), run 2",
             "after-session32-256x8-run3": "256x8 (b51e0e4), run 3",
-            "after-session32-256x8-run4": "256x8 (b51e0e4), run 4"}
+            "after-session32-256x8-run4": "256x8 (b51e0e4), run 4",
+            "after-session32-256x8-run5": "256x8 (38ec9df), run 5",
+            "after-session32-256x8-run6": "256x8 (38ec9df), run 6"}
 
 
 def _emulated(results: Path, label: str) -> dict:
