@@ -51,7 +51,7 @@ from .checks import MISS   # a mix that ran this much slower than planned: plann
 from .keep_views import KeepView
 from .lean import LeanSizes
 from .mix_runs import (TRIAL_STEPS, ModePlan, MixRuns, Trials, may_win, moved, outran,
-                       source, upsized)
+                       reading, source, upsized)
 from .size_plans import Job, SizePlans
 
 REPLAN_BUDGET_CHANGE = 0.05     # a budget that moved by more than this re-plans the key
@@ -353,7 +353,7 @@ class BlockModes(SizePlans):
             return
         # The faster of its last two steps, as trials and the ranking read steps (``mix_runs``;
         # by its low median of three a plan on its prediction was tried on noise more often).
-        pred, ran = self.predicted_seconds() or float("inf"), min(seen[-TRIAL_STEPS:])
+        pred, ran = self.predicted_seconds() or float("inf"), reading(seen)
         # Tried against its fallback where it ran over its prediction, unless its model rules
         # the fallback out (``outran``); or where it copies over MISS of the step on the link or
         # runs selective (one probe), though it ran as predicted, if the fallback may win

@@ -28,10 +28,10 @@ predicted and did not outrun its fallback's prediction (``outran``), or copies o
 selectively and ran no faster than its fallback is predicted (``may_win``); after its second
 step (the faster of its two: a fallback moves next to nothing, so its first step runs no
 stand-in swap plan) the faster stays, by more than ``SWITCH_GAIN`` (one step's time varies by
-10-30% on a shared CPU). Like with like: the plan is read by the
-faster of its own last two steps, so its trial waits until it has run two beside its stand-in,
-and that reading also says whether it ran slower than predicted (by the low median of up to
-three, a plan on its prediction was tried on noise in 182 of 400 scripted sizes, now 123).
+10-30% on a shared CPU). Like with like (``reading``): the plan is read by the faster of its own
+last two steps, so its trial waits until it has run two beside its stand-in, and that reading
+also says whether it ran slower than predicted (by the low median of up to three, a plan on its
+prediction was tried on noise in 182 of 400 scripted sizes, now 123).
 Noise only slows a step, and the faster of two reads faster than one: against one step of the
 plan, a fallback exactly as fast stayed in 27% of trials under a shared CPU's noise as
 simulated (a step 1 + |N(0, 0.12)| of its time, one in five 10-50% slower), one 5% slower in
@@ -85,6 +85,13 @@ RUNS_KEPT = 3                   # step times kept per mix and size (the last two
 TRIAL_STEPS = 2                 # a fallback's steps on trial: the faster of them decides
 
 
+def reading(secs: list) -> float:
+    """What a mix's kept step times ``secs`` (newest last) read as, wherever a mix's run is
+    judged (ranked, checked against its prediction, on trial): the faster of the last
+    ``TRIAL_STEPS``."""
+    return min(secs[-TRIAL_STEPS:])
+
+
 class MixRuns:
     def __init__(self) -> None:
         self.runs: dict[int, dict[tuple, list]] = {}    # key -> ((block, mode), ...) -> seconds
@@ -119,7 +126,7 @@ class MixRuns:
     def measured(self, key: int, block_ids: list) -> dict:
         """Mixes (modes in ``block_ids`` order) that ran at ``key``, with the faster of their
         last ``TRIAL_STEPS`` kept times (the one where they have one)."""
-        return {m: min(secs[-TRIAL_STEPS:]) for m, _, secs in self._ran(key, block_ids)}
+        return {m: reading(secs) for m, _, secs in self._ran(key, block_ids)}
 
     def held(self, key: int, block_ids: list, budget: int) -> set:
         """Mixes (as ``measured``'s) whose kept runs at ``key`` all ran under a budget no larger
@@ -170,7 +177,7 @@ class Trials:
             return None
         plan, ran, _ = self.by_key[key]
         self.by_key[key] = (plan, ran, None)      # decided: no longer running, never again
-        return plan if min(seen) > ran * (1 - SWITCH_GAIN) else None
+        return plan if reading(seen) > ran * (1 - SWITCH_GAIN) else None
 
 
 def outran(hp, pred: float, ran: float) -> bool:
