@@ -42,18 +42,46 @@ def check_counts(p, a, positive, non_negative=("warmup",)) -> None:
             p.error(f"--{k.replace('_', '-')} must be >= 0; got {getattr(a, k)}")
 
 
+# ``--emulate-link H100_LINK``: the link at an H100's ratio of bytes to compute, measured on this
+# machine when the model is built (``chameleon_swap.bench.choice.h100_link``).
+H100_LINK = "h100"
+
+
 def check_emulated_link(p, a, gpu: bool) -> None:
     """``--emulate-link``: ``p.error`` where the device is a GPU (``gpu``: its link is real) or
-    the value is no bandwidth ``chameleon_swap.config.parse_bandwidth`` takes."""
+    the value is neither ``h100`` nor a bandwidth ``chameleon_swap.config.parse_bandwidth``
+    takes."""
     if a.emulate_link is None:
         return
     if gpu:
         p.error("--emulate-link slows the CPU's copies; on a GPU the link is real")
+    if a.emulate_link.lower() == H100_LINK:
+        a.emulate_link = H100_LINK
+        return
     from chameleon_swap.config import parse_bandwidth
     try:
         parse_bandwidth(a.emulate_link, "--emulate-link")
     except (TypeError, ValueError) as exc:
-        p.error(str(exc))
+        p.error(f"{exc} (or '{H100_LINK}': an H100's ratio of bytes to compute, measured here)")
+
+
+def link_bandwidth(link, forward, saved_bytes: int):
+    """What the engines' ``emulate_link=`` gets for ``--emulate-link`` ``link``: the value as
+    given, or for ``h100`` the bandwidth at an H100's ratio on this machine, from ``forward()``
+    (one training forward of the step that saves ``saved_bytes``)."""
+    if link != H100_LINK:
+        return link
+    from chameleon_swap.bench.choice import h100_link
+    return h100_link(forward, saved_bytes)
+
+
+def link_words(config: dict) -> str:
+    """A result's link as its tables say it: ``130MB/s``, or ``h100 ratio (352 MB/s)``."""
+    link = config.get("emulated_link")
+    bw = config.get("emulated_link_bytes_per_s")
+    if link == H100_LINK and bw:
+        return f"h100 ratio ({bw / 1e6:.0f} MB/s)"
+    return link or "real"
 
 
 def timed(device: torch.device, fn):

@@ -1,19 +1,22 @@
 """Keep, swap or recompute: the hybrid engine against recomputation and swapping alone.
 
     python benchmarks/hybrid.py [--device cuda] [--config 4096x8] [--quick] [--out DIR]
-    python benchmarks/hybrid.py --emulate-link 130MB/s [--config 256x8] [--label after]  # CPU
+    python benchmarks/hybrid.py --emulate-link h100 [--config 256x8] [--label after]  # CPU
 
 ``--emulate-link BW`` (CPU only) runs the engines' copies at that bandwidth
 (``Chameleon(emulate_link=BW)``: a copy is done when a link of that bandwidth would have carried
 its bytes; only a step that waits for one waits), so a 2-core
 CPU shows a GPU's ratio of bytes to compute: on an H100, swap only at 25% costs about 2x the
-plain step (its pinned link moves about 54 GB/s), and a BW for which swap@25% costs at least
-1.8x here reproduces that: 130 MB/s, where swap@25% read 1.92-2.36x the plain step in four runs
-(2026-11-27; 140 MB/s 1.72-2.04x in six, 150-160 MB/s 1.69-1.79x, and 200 MB/s, used until then,
-1.34-1.55x since the link became a clock). The demo's arithmetic (54 GB/s against 30.4 GiB saved
-in a 0.172 s forward, as measured by the project on an H100: a link that carries 0.28 of what a
-forward saves per second of it) gives 170-180 MB/s for both CPU configs (about 0.6 GB saved per
-second of forward at 512 tokens, one thread), a little faster. The results then also say, per
+plain step (its pinned link moves about 54 GB/s). ``--emulate-link h100`` sets BW to that ratio
+on the machine at hand, measured when the model is built: 0.28 of what the longest length's
+forward saves per second of it (54 GB/s against 30.4 GiB saved in a 0.172 s forward, as measured
+by the project on an H100; ``chameleon_swap.bench.choice.h100_link``, the demo's rule too). A
+fixed BW reproduces the ratio on one machine only: 130 MB/s was chosen on 2026-11-27, where
+swap@25% read 1.92-2.36x the plain step in four runs (140 MB/s 1.72-2.04x in six, 150-160 MB/s
+1.69-1.79x, 200 MB/s 1.34-1.55x), and ran every emulated run since; on 2026-11-29 the machine
+ran the plain 256-token step of 256x8 in 105 ms where earlier runs read about 290, and the same
+130 MB/s swapped 4.31x the plain step at 25%; the ratio rule gave 281 MB/s there (the forward at
+512 tokens saved 90 MB in 91 ms), where swap@25% read 2.17x. The results then also say, per
 hybrid step, what its plan predicted against what it measured, and the files are named
 ``hybrid-emulated[-LABEL]-cpu.*``. On any device each hybrid step's row says how long its end
 spent making mode plans (``plan_s``), and each hybrid engine's planner state the total
@@ -93,7 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="fewer steps, a smaller CPU model")
     p.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     p.add_argument("--emulate-link", default=None, metavar="BW",
-                   help="CPU only: the engines' copies run at this bandwidth (e.g. 130MB/s)")
+                   help="CPU only: the engines' copies run at this bandwidth (e.g. 130MB/s), or "
+                        "'h100': at an H100's ratio of bytes to compute, measured here")
     p.add_argument("--label", default=None, help="added to the results' file name (e.g. before)")
     p.add_argument("--fractions", default=",".join(str(f) for f in FRACTIONS), metavar="F,F",
                    help="budgets as shares of the natural peak, each in (0, 1] "
@@ -180,7 +184,8 @@ def add_budget_arguments(p, fraction: float, warmup: int) -> None:
                    help="the budget as a share of the longest length's natural peak, in (0, 1]")
     p.add_argument("--warmup", type=int, default=warmup, help="untimed rounds first")
     p.add_argument("--emulate-link", default=None, metavar="BW",
-                   help="CPU only: the engines' copies run at this bandwidth (default 130MB/s)")
+                   help="CPU only: the engines' copies run at this bandwidth, or 'h100' (the "
+                        "default): at an H100's ratio of bytes to compute, measured here")
     p.add_argument("--quick", action="store_true", help="a small model, few rounds (smoke run)")
     p.add_argument("--out", type=Path, default=None,
                    help="results folder (default benchmarks/results)")
@@ -188,7 +193,7 @@ def add_budget_arguments(p, fraction: float, warmup: int) -> None:
 def check_budget_arguments(p, a, rounds: tuple[int, int], quick_warmup: int) -> None:
     """What the scripts that step this model at one budget (``lean.py``, ``mixes.py``) check and
     default alike: ``--fraction`` in (0, 1], a CUDA device that is there, the emulated link
-    (130 MB/s by default on the CPU), ``--config`` (4096x8 on a GPU, 256x8 on the CPU; with
+    (``h100`` by default on the CPU), ``--config`` (4096x8 on a GPU, 256x8 on the CPU; with
     ``--quick`` 128x2 on the CPU, three rounds after ``quick_warmup``), ``--rounds`` (``rounds``:
     the GPU's default, the CPU's), the threads."""
     if not 0 < a.fraction <= 1:
@@ -198,7 +203,7 @@ def check_budget_arguments(p, a, rounds: tuple[int, int], quick_warmup: int) -> 
         p.error("--device cuda was given but torch.cuda.is_available() is False")
     C.check_emulated_link(p, a, gpu=cuda)
     if not cuda and a.emulate_link is None:
-        a.emulate_link = "130MB/s"
+        a.emulate_link = C.H100_LINK
     configs = GPU_CONFIGS if cuda else CPU_CONFIGS
     if a.quick:
         a.config = a.config or ("4096x8" if cuda else "128x2")
@@ -217,7 +222,7 @@ def stepper(a, device):
     """The model of ``a.config`` and what those scripts step it with: ``(model, cfg, lengths,
     step, natural)``, the lengths sorted, ``step(T)`` one training step of a batch of ``T``
     tokens (bf16 autocast on CUDA) returning its loss, and the longest length's natural
-    activation peak."""
+    activation peak. Sets ``a.link_bytes_per_s``, what the engines' ``emulate_link=`` gets."""
     model, cfg = build(a, device)
     lengths = sorted(set(GPU_CONFIGS.get(a.config) or CPU_CONFIGS[a.config]))
     gen = torch.Generator().manual_seed(1)
@@ -238,6 +243,10 @@ def stepper(a, device):
         with probe.step():
             step(max(lengths))
         natural = probe.last_step.peak_resident_bytes
+    model.zero_grad(set_to_none=True)
+    longest = batches[max(lengths)]
+    a.link_bytes_per_s = C.link_bandwidth(
+        a.emulate_link, lambda: model(input_ids=longest[:, :-1], labels=longest[:, 1:]), natural)
     return model, cfg, lengths, step, natural
 
 def main(argv=None) -> int:
@@ -260,6 +269,7 @@ def main(argv=None) -> int:
             loss_of(longest).backward()
         natural = probe.last_step.peak_resident_bytes
     model.zero_grad(set_to_none=True)
+    a.link_bytes_per_s = C.link_bandwidth(a.emulate_link, lambda: loss_of(longest), natural)
 
     def run(mode: str, engines: dict, T: int) -> torch.Tensor:
         # Each mode as it would run alone: no other engine's idle global module hooks on its
@@ -297,7 +307,7 @@ def main(argv=None) -> int:
         for f in a.fractions:
             budget = int(natural * f)
             tag = f"{int(f * 100)}%"
-            link = {} if a.emulate_link is None else {"emulate_link": a.emulate_link}
+            link = {} if a.emulate_link is None else {"emulate_link": a.link_bytes_per_s}
             engines = {f"swap@{tag}": cs.Chameleon(budget, device=device, **link),
                        f"hybrid@{tag}": cs.Chameleon(budget, device=device, model=model, **link)}
             modes = peers + list(engines)
@@ -355,6 +365,13 @@ def _same(t):
     return t
 
 
+def _bytes_per_s(link) -> Optional[float]:
+    if link is None:
+        return None
+    from chameleon_swap.config import parse_bandwidth
+    return float(parse_bandwidth(link, "--emulate-link"))
+
+
 def save(a, cfg, device, lengths, natural: int, losses_equal: bool, results: dict):
     """Write what has run so far (JSON and markdown); returns (path, payload)."""
     payload = {"benchmark": "hybrid", "environment": C.environment(device),
@@ -365,7 +382,8 @@ def save(a, cfg, device, lengths, natural: int, losses_equal: bool, results: dic
                           "warmup": a.warmup, "fractions": list(a.fractions),
                           "autocast": "bf16" if device.type == "cuda" else None,
                           "threads": torch.get_num_threads(),
-                          "emulated_link": a.emulate_link},
+                          "emulated_link": a.emulate_link,
+                          "emulated_link_bytes_per_s": _bytes_per_s(a.link_bytes_per_s)},
                "natural_activation_peak_bytes": natural,
                "losses_bitwise_equal_across_modes": bool(losses_equal), "results": results}
     name = "hybrid" if a.emulate_link is None else "hybrid-emulated"
@@ -548,7 +566,7 @@ def markdown(payload: dict) -> str:
     peak_how = ("CUDA max_memory_allocated above the step's start" if env.get("device") != "cpu"
                 and "cuda" in str(env.get("device")) else
                 "the bench meter's count of what one step at the longest length allocates")
-    link = cfg.get("emulated_link")
+    link = C.link_words(cfg) if cfg.get("emulated_link") else None
     pred = prediction_summary(payload["results"])
     pred_md = ("" if not pred else "\n\nPredicted against measured (hybrid, from each length's "
                "third step on, median |measured / predicted - 1|; the noise floor: the same of "

@@ -1,7 +1,7 @@
 """What a lean step costs against the executor's path at the same budget, step for step.
 
     python benchmarks/lean.py [--device cuda] [--config 256x8] [--rounds 30] [--warmup 3]
-                              [--fraction 0.75] [--emulate-link 130MB/s] [--quick] [--out DIR]
+                              [--fraction 0.75] [--emulate-link h100|BW] [--quick] [--out DIR]
 
 The emulated-link benchmark's HF Llama (``hybrid.py``'s configs and lengths), its budget a share
 of the longest length's natural peak (75% by default, as there). The longest length is left
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     longest = max(lengths)
     timed_lengths = [T for T in lengths if T != longest]
     budget = int(natural * a.fraction)
-    link = {} if a.emulate_link is None else {"emulate_link": a.emulate_link}
+    link = {} if a.emulate_link is None else {"emulate_link": a.link_bytes_per_s}
     engines = {"no budget": cs.Chameleon(None, device=device),
                "lean": cs.Chameleon(budget, device=device, model=model, **link),
                "executor path": cs.Chameleon(budget, device=device, model=model, **link),
@@ -138,6 +138,7 @@ def main(argv=None) -> int:
                           "fraction": a.fraction, "budget_bytes": budget,
                           "natural_activation_peak_bytes": natural, "rounds": a.rounds,
                           "warmup": a.warmup, "emulated_link": a.emulate_link,
+                          "emulated_link_bytes_per_s": H._bytes_per_s(a.link_bytes_per_s),
                           "threads": torch.get_num_threads()},
                "losses_bitwise_equal_across_modes": exact, "per_length": per_length}
     md = markdown(payload)
@@ -159,7 +160,7 @@ def markdown(payload: dict) -> str:
     return (f"# Lean steps against the executor's path\n\n{env['device_name']}, torch "
             f"{env['torch']}, commit {env['commit']}; HF Llama {c['model']}, budget "
             f"{cs.format_bytes(c['budget_bytes'])} ({c['fraction']:.0%} of {c['longest']} "
-            f"tokens' peak), link {c['emulated_link'] or 'real'}, {c['rounds']} timed rounds "
+            f"tokens' peak), link {C.link_words(c)}, {c['rounds']} timed rounds "
             f"after {c['warmup']}; each mode's step over the plain step's of the same round "
             f"(median); losses bitwise equal across modes: "
             f"{payload['losses_bitwise_equal_across_modes']}.\n\n"

@@ -2,7 +2,7 @@
 
     python benchmarks/mixes.py [--device cuda] [--config 256x8] [--fraction 0.25]
                                [--kept 0,1,2,3,5] [--rounds 10] [--warmup 2]
-                               [--emulate-link 130MB/s] [--quick] [--out DIR]
+                               [--emulate-link h100|BW] [--quick] [--out DIR]
 
 Issue 18's targets are ratios to other modes (at 25% of the natural peak the hybrid at most
 0.95x full recomputation's step). Whether a miss is the planner's choice or the budget's limit
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     model, cfg, lengths, step, natural = H.stepper(a, device)
     n_blocks = cfg.num_hidden_layers
     budget = int(natural * a.fraction)
-    link = {} if a.emulate_link is None else {"emulate_link": a.emulate_link}
+    link = {} if a.emulate_link is None else {"emulate_link": a.link_bytes_per_s}
     kept = sorted({min(k, n_blocks) for k in a.kept})
     engines = {"plan": cs.Chameleon(budget, device=device, model=model, **link)}
     for k in kept:
@@ -134,7 +134,8 @@ def main(argv=None) -> int:
                           "fraction": a.fraction, "budget_bytes": budget,
                           "natural_activation_peak_bytes": natural, "kept": kept,
                           "rounds": a.rounds, "warmup": a.warmup,
-                          "emulated_link": a.emulate_link, "threads": torch.get_num_threads()},
+                          "emulated_link": a.emulate_link,
+                          "emulated_link_bytes_per_s": H._bytes_per_s(a.link_bytes_per_s), "threads": torch.get_num_threads()},
                "losses_bitwise_equal_across_modes": exact, "budget_held": held,
                **summarize(times, modes, lengths, ran)}
     md = markdown(payload)
@@ -197,7 +198,7 @@ def markdown(payload: dict) -> str:
     return (f"# Forced block mixes against the planner's\n\n{env['device_name']}, torch "
             f"{env['torch']}, commit {env['commit']}; HF Llama {c['model']} ({c['blocks']} "
             f"blocks), budget {cs.format_bytes(c['budget_bytes'])} ({c['fraction']:.0%} of "
-            f"{max(c['lengths'])} tokens' peak), link {c['emulated_link'] or 'real'}, "
+            f"{max(c['lengths'])} tokens' peak), link {C.link_words(c)}, "
             f"{c['rounds']} timed rounds after {c['warmup']}; each mode's step over the plain "
             f"step's and over full recomputation's of the same round (median); `keep K`: the "
             f"last K blocks kept, the rest recomputed in full. Losses bitwise equal across "

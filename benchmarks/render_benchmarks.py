@@ -273,7 +273,9 @@ def emulated_block(results: Path) -> str:
             m = r[pct].get("hooks")
             return ("-" if m is None
                     else f"{m['paired_ratio_vs_none']:.3f} ({m['ratio_vs_none']:.2f})")
-        out.append(f"| [{name}, {c['emulated_link']}](benchmarks/results/{file}.md) | "
+        link = (f"h100 ratio, {c['emulated_link_bytes_per_s'] / 1e6:.0f} MB/s"
+                if c['emulated_link'] == "h100" else c['emulated_link'])
+        out.append(f"| [{name}, {link}](benchmarks/results/{file}.md) | "
                    f"{cell('25%', 'swap', 'none', 0)} | "
                    f"{cell('25%', 'hybrid', 'full-recompute', TARGET['25%'])} | "
                    f"{cell('50%', 'hybrid', 'selective-recompute', TARGET['50%'])} | "
@@ -288,6 +290,7 @@ def emulated_block(results: Path) -> str:
 
 
 POOL_LATEST = 8          # the pooled table's second window: the latest runs alone
+POOL_MIN = 5             # the fewest runs an earlier config and link is pooled from
 DRAWS, LEVEL = 4000, 0.90
 
 
@@ -316,19 +319,34 @@ def _pool_key(d: dict) -> tuple:
 
 
 def pooled_block(results: Path) -> str:
-    """Issue 18's CPU targets over many runs: the emulated runs of the latest run's config and
-    link, each run's step-for-step cell (as in ``emulated_block``) one sample; the median over
+    """Issue 18's CPU targets over many runs, one table per config and link: the latest run's,
+    then any other of at least ``POOL_MIN`` runs (fewer decide nothing). Each run's step-for-step cell (as in ``emulated_block``) one sample; the median over
     runs, its bootstrap interval, how many runs met, and what the interval decides. Every run,
     then the latest ``POOL_LATEST`` (the engine changed between runs: the latest are the closest
     to what it is now)."""
     runs = [(label, _emulated(results, label)) for label in EMULATED]
-    key = _pool_key(runs[-1][1])
-    runs = [(label, d) for label, d in runs if _pool_key(d) == key]
-    model, hidden, layers, lengths, link = key
-    out = [f"Pooled: {hidden}x{layers} at {', '.join(map(str, lengths))} tokens on {link}. "
-           f"The median over runs of each run's cell above, its {LEVEL:.0%} bootstrap interval "
-           f"(runs resampled), and the verdict: met where the whole interval is within the "
-           f"target, missed where it is all beyond it.", "",
+    keys = list(dict.fromkeys(_pool_key(d) for _, d in reversed(runs)))
+    pools = [[(label, d) for label, d in runs if _pool_key(d) == key] for key in keys]
+    return "\n\n".join(_pool(results, pool) for i, pool in enumerate(pools)
+                       if i == 0 or len(pool) >= POOL_MIN)
+
+
+def _pool_link(runs: list) -> str:
+    """The pool's link in words: a fixed bandwidth, or the H100's ratio with what it gave."""
+    link = runs[-1][1]["config"]["emulated_link"]
+    if link != "h100":
+        return link
+    bws = [d["config"]["emulated_link_bytes_per_s"] / 1e6 for _, d in runs]
+    return (f"an H100's ratio of bytes to compute, measured on each run's machine "
+            f"({min(bws):.0f}-{max(bws):.0f} MB/s)")
+
+
+def _pool(results: Path, runs: list) -> str:
+    model, hidden, layers, lengths, _ = _pool_key(runs[-1][1])
+    out = [f"Pooled: {hidden}x{layers} at {', '.join(map(str, lengths))} tokens on "
+           f"{_pool_link(runs)}. The median over runs of each run's cell above, its {LEVEL:.0%} "
+           f"bootstrap interval (runs resampled), and the verdict: met where the whole interval "
+           f"is within the target, missed where it is all beyond it.", "",
            "| runs | target | median | interval | runs met | verdict |",
            "| --- | --- | --- | --- | --- | --- |"]
     windows = [(f"all {len(runs)} ({EMULATED[runs[0][0]]} ... {EMULATED[runs[-1][0]]})", runs)]

@@ -287,3 +287,24 @@ def test_mode_gap_never_finds_the_search_below_every_mix_it_tried(script, tmp_pa
             assert row[tag]["gap"] >= -1e-9, row
         assert row["search"]["gap"] <= row["families"]["gap"] + 1e-9, row
     assert "| families |" in (tmp_path / "mode_gap-cpu.md").read_text()
+
+
+def test_an_emulated_link_is_a_bandwidth_or_the_h100_s_ratio_measured_here(script, monkeypatch):
+    h = script("hybrid")
+    C = h.C
+    assert h.parse_args(["--device", "cpu", "--emulate-link", "H100"]).emulate_link == "h100"
+    assert h.parse_args(["--device", "cpu", "--emulate-link", "130MB/s"]).emulate_link == "130MB/s"
+    with pytest.raises(SystemExit):
+        h.parse_args(["--device", "cpu", "--emulate-link", "fast"])
+    # lean.py and mixes.py take the H100's ratio by default on the CPU.
+    assert script("lean").parse_args(["--device", "cpu"]).emulate_link == "h100"
+    # A bandwidth goes to the engines as given; the ratio is measured from the forward.
+    assert C.link_bandwidth("130MB/s", None, 1) == "130MB/s" and C.link_bandwidth(None, None, 1) is None
+    from chameleon_swap.bench import choice
+    monkeypatch.setattr(choice, "h100_link", lambda forward, saved: saved * 2.0)
+    assert C.link_bandwidth("h100", lambda: None, 100) == 200.0
+    assert C.link_words({"emulated_link": "h100", "emulated_link_bytes_per_s": 352e6}) \
+        == "h100 ratio (352 MB/s)"
+    assert C.link_words({"emulated_link": "130MB/s"}) == "130MB/s"
+    assert C.link_words({"emulated_link": None}) == "real"
+    assert h._bytes_per_s("1MB/s") > 0 and h._bytes_per_s(None) is None and h._bytes_per_s(5.0) == 5.0

@@ -119,3 +119,23 @@ def test_pooled_runs_follow_their_files_and_pool_one_config(render, tmp_path):
     d["config"]["emulated_link"] = "999MB/s"
     path.write_text(json.dumps(d))
     assert f"| all {n - 1} (" in render.pooled_block(results)
+
+
+def test_each_link_is_pooled_apart_the_latest_run_s_first(render, tmp_path):
+    # Two runs moved to the H100's ratio (measured on their machines: 300 and 360 MB/s) make a
+    # pool of their own, rendered first; the rest stay pooled on their fixed link.
+    results = _copied_results(render, tmp_path)
+    labels = list(render.EMULATED)
+    fixed = render._pool_key(render._emulated(results, labels[-1]))
+    same = [label for label in labels if render._pool_key(render._emulated(results, label)) == fixed]
+    for label, bw in zip(same[-2:], (300e6, 360e6)):
+        path = results / f"hybrid-emulated-{label}-cpu.json"
+        d = json.loads(path.read_text())
+        d["config"].update(emulated_link="h100", emulated_link_bytes_per_s=bw)
+        path.write_text(json.dumps(d))
+    pools = render.pooled_block(results).split("Pooled: ")[1:]
+    assert len(pools) >= 2
+    assert "an H100's ratio of bytes to compute, measured on each run's machine (300-360 MB/s)" \
+        in pools[0] and "| all 2 (" in pools[0]
+    assert f"on {fixed[-1]}." in pools[1] and f"| all {len(same) - 2} (" in pools[1]
+    assert "h100 ratio, 360 MB/s" in render.emulated_block(results)

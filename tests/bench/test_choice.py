@@ -242,3 +242,27 @@ def test_the_verdict_names_the_leg_ahead_in_each_half():
     # The same leg ahead in both: "it".
     v = choice.summarize(_timed([0.09] * 9, gc), *args)["verdict"]
     assert "over the last 5, it is 1.11x as fast as gradient checkpointing" in v
+
+
+def test_the_h100_link_is_the_h100_s_share_of_what_the_forward_saves_per_second(monkeypatch):
+    # A steady mocked clock: each forward takes 0.5 s but the first (1.0 s, warming up); the
+    # least of three counts, and autograd records (the H100's 0.172 s forward is a training one).
+    ticks = iter([0.0, 1.0, 10.0, 10.5, 20.0, 20.5])
+    monkeypatch.setattr(choice.time, "perf_counter", lambda: next(ticks))
+    grad = []
+    link = choice.h100_link(lambda: grad.append(torch.is_grad_enabled()), 10**9)
+    assert link == pytest.approx(choice.H100_LINK_SHARE * 2e9) and grad == [True] * 3
+    for bad in ({"saved_bytes": 0}, {"saved_bytes": 1, "tries": 0}):
+        with pytest.raises(ValueError, match="saved_bytes > 0 and tries >= 1"):
+            choice.h100_link(lambda: None, **{"saved_bytes": 1, **bad})
+
+
+def test_the_h100_link_follows_the_machine_s_compute_on_the_real_clock():
+    # Its real-clock twin: a forward twice as slow gets a link about half as fast (a machine
+    # whose compute is slower needs a slower link for the same ratio), whatever the clock's
+    # noise adds on top of the 20 and 40 ms sleeps: the least of three, each at least its sleep.
+    import time
+    fast = choice.h100_link(lambda: time.sleep(0.02), 10**8)
+    slow = choice.h100_link(lambda: time.sleep(0.04), 10**8)
+    assert fast <= choice.H100_LINK_SHARE * 1e8 / 0.02
+    assert slow <= choice.H100_LINK_SHARE * 1e8 / 0.04 < fast

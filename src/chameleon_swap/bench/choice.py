@@ -63,6 +63,27 @@ def available() -> Optional[str]:
     return None
 
 
+def h100_link(forward: Callable[[], object], saved_bytes: int, tries: int = 3) -> float:
+    """The emulated link, in bytes per second, at an H100's ratio of bytes to compute on this
+    machine: ``H100_LINK_SHARE`` of what a forward saves per second of it. ``forward()`` runs one
+    training forward (autograd recording, as in the H100's 0.172 s, its graph dropped on return)
+    of the step that saves ``saved_bytes``; its time is the least of ``tries`` (the first warms
+    up). A fixed bandwidth would not do: this project's CPU machines differ by up to 2.8x in
+    compute from one session to the next (the emulated-link benchmark's plain 256-token step:
+    about 290 ms on one, 105 ms on another), and the same link then swaps 1.6x or 4.3x the plain
+    step at 25%."""
+    if saved_bytes <= 0 or tries < 1:
+        raise ValueError(f"h100_link needs saved_bytes > 0 and tries >= 1; got {saved_bytes}, "
+                         f"{tries}")
+    seconds = float("inf")
+    with torch.enable_grad():
+        for _ in range(tries):
+            t0 = time.perf_counter()
+            forward()
+            seconds = min(seconds, time.perf_counter() - t0)
+    return H100_LINK_SHARE * saved_bytes / max(seconds, 1e-6)
+
+
 def _model(size: dict, device: torch.device):
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(hidden_size=size["hidden"], num_hidden_layers=size["layers"],
@@ -102,15 +123,7 @@ def run_choice(device: torch.device, steps: int,
     longest = max(lengths)
     natural = saved_peak(base, longest)
     budget = int(natural * FRACTION)
-    link = None
-    if device.type == "cpu":
-        forward = float("inf")
-        with torch.no_grad():
-            for _ in range(3):                # the least of three: the first call warms up
-                t0 = time.perf_counter()
-                loss_of(base, longest)
-                forward = min(forward, time.perf_counter() - t0)
-        link = H100_LINK_SHARE * natural / max(forward, 1e-6)
+    link = h100_link(lambda: loss_of(base, longest), natural) if device.type == "cpu" else None
 
     # On CUDA some kernels (attention's backward among them) need not give the same bits twice:
     # the plain step then runs twice, and a leg that differs from it by no more than it differs
