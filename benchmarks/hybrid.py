@@ -145,14 +145,15 @@ def build(a, device):
 
 
 @contextlib.contextmanager
-def checkpointed(model, selective: bool):
-    """Non-reentrant checkpointing around every decoder layer for one step: full, or selective
-    (PyTorch's selective checkpointing keeping matmul and attention outputs)."""
+def checkpointed(model, selective: bool, first: Optional[int] = None):
+    """Non-reentrant checkpointing around every decoder layer (the ``first`` ones only, where
+    given) for one step: full, or selective (PyTorch's selective checkpointing keeping matmul
+    and attention outputs)."""
     from torch.utils.checkpoint import checkpoint
 
     from chameleon_swap.bench.baselines import _selective_context
     extra = {"context_fn": _selective_context} if selective else {}
-    layers = list(model.model.layers)
+    layers = list(model.model.layers)[:first]
     saved = [layer.__dict__.get("forward") for layer in layers]
     for layer in layers:
         inner = layer.forward

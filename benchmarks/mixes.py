@@ -18,6 +18,11 @@ round:
   first backward needs, so they are the cheapest to keep. Forced by replacing the policy's
   per-block choice (``ChameleonPolicy.block_mode``): a what-if no public option offers. Every
   forced step must still hold the budget (the guard moves what the mix leaves over).
+* with ``--alone``, ``alone K`` for each ``keep K``: torch's checkpoint around the same blocks
+  ``keep K`` recomputes, no engine: the mix's recomputation alone, nothing moved and no
+  bookkeeping (its kept blocks stay on the device: the budget is not held). ``keep K`` over it
+  is what the engine's mechanism costs that mix (its saved-tensor hooks, moves, memmoves and
+  plans), the part of the gap to full recomputation that a better choice of mix cannot close.
 
 Reported per length: each mode's step over the plain step's and over full recomputation's of
 the same round (medians over the timed rounds), whether every engine step held the budget, the
@@ -58,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None,
                    help="timed rounds, each mode once a length (default 10 on the CPU, 4 on a "
                         "GPU)")
+    p.add_argument("--alone", action="store_true",
+                   help="also each forced mix's recomputation alone (torch's checkpoint, no "
+                        "engine): what the engine's mechanism costs each mix")
     a = p.parse_args(argv)
     try:
         a.kept = sorted({int(k) for k in a.kept.split(",")})
@@ -88,7 +96,8 @@ def main(argv=None) -> int:
     for k in kept:
         engines[f"keep {k}"] = forced(cs.Chameleon(budget, device=device, model=model, **link),
                                       k, n_blocks)
-    modes = ["none", "full", *engines]
+    alone = {f"alone {k}": n_blocks - k for k in kept} if a.alone else {}
+    modes = ["none", "full", *engines, *alone]
 
     def run(mode: str, T: int):
         with paused_hooks([e for m, e in engines.items() if m != mode]):
@@ -98,6 +107,9 @@ def main(argv=None) -> int:
                 loss = step(T)
             elif mode == "full":
                 with H.checkpointed(model, selective=False):
+                    loss = step(T)
+            elif mode in alone:
+                with H.checkpointed(model, selective=False, first=alone[mode]):
                     loss = step(T)
             else:
                 with engines[mode].step():
@@ -135,7 +147,8 @@ def main(argv=None) -> int:
                           "natural_activation_peak_bytes": natural, "kept": kept,
                           "rounds": a.rounds, "warmup": a.warmup,
                           "emulated_link": a.emulate_link,
-                          "emulated_link_bytes_per_s": H._bytes_per_s(a.link_bytes_per_s), "threads": torch.get_num_threads()},
+                          "emulated_link_bytes_per_s": H._bytes_per_s(a.link_bytes_per_s),
+                          "threads": torch.get_num_threads(), "alone": a.alone},
                "losses_bitwise_equal_across_modes": exact, "budget_held": held,
                **summarize(times, modes, lengths, ran)}
     md = markdown(payload)
@@ -165,8 +178,12 @@ def summarize(times: dict, modes: list, lengths: list, ran: dict) -> dict:
         forced = [m for m in modes if m.startswith("keep ")]
         best = min(forced, key=lambda m: C.median(
             x / f for x, f in zip(times[m, T][::2], full[::2]))) if forced else None
+        # What the mechanism costs each forced mix: its step over its recomputation alone.
+        mechanism = {m: C.median(x / y for x, y in zip(times[m, T], times["alone " + m[5:], T]))
+                     for m in forced if ("alone " + m[5:], T) in times}
         per_length[str(T)] = {
             "modes": res,
+            "mechanism": mechanism,
             "block_modes": {m: sorted(list(x) for x in ran[m, T])
                             for m in modes if (m, T) in ran},
             "best_forced": best,
@@ -187,8 +204,10 @@ def markdown(payload: dict) -> str:
     for T, res in payload["per_length"].items():
         for m, r in res["modes"].items():
             note = ""
+            if m in res.get("mechanism", {}):
+                note = f"{res['mechanism'][m]:.3f}x its recomputation alone"
             if m == res["best_forced"]:
-                note = "best forced"
+                note = "best forced" + (f"; {note}" if note else "")
             elif m == "plan":
                 note = "mixes " + ", ".join(str(tuple(x)) for x in res["block_modes"]["plan"])
                 if res["plan_over_best"] is not None:
@@ -201,7 +220,10 @@ def markdown(payload: dict) -> str:
             f"{max(c['lengths'])} tokens' peak), link {C.link_words(c)}, "
             f"{c['rounds']} timed rounds after {c['warmup']}; each mode's step over the plain "
             f"step's and over full recomputation's of the same round (median); `keep K`: the "
-            f"last K blocks kept, the rest recomputed in full. Losses bitwise equal across "
+            f"last K blocks kept, the rest recomputed in full"
+            + ("; `alone K`: the same blocks recomputed by torch's checkpoint, no engine (the "
+               "budget not held)" if c.get("alone") else "")
+            + f". Losses bitwise equal across "
             f"modes: {payload['losses_bitwise_equal_across_modes']}; every engine step within "
             f"its budget: {payload['budget_held']}.\n\n"
             + C.markdown_table(["tokens", "mode", "x none", "x full", "step ms", ""], rows)
@@ -220,8 +242,10 @@ def plot(payload: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(modes) * len(lengths) / 2), 3.6))
     width = 0.8 / len(modes)
     forced = [m for m in modes if m.startswith("keep ")]
+    alone = [m for m in modes if m.startswith("alone ")]
     colors = {"full": "#999", "plan": "#222",
-              **{m: plt.cm.viridis(i / max(1, len(forced) - 1)) for i, m in enumerate(forced)}}
+              **{m: plt.cm.viridis(i / max(1, len(forced) - 1)) for i, m in enumerate(forced)},
+              **{m: plt.cm.Pastel2(i % 8) for i, m in enumerate(alone)}}
     ys = []
     for i, m in enumerate(modes):
         xs = [j + (i - (len(modes) - 1) / 2) * width for j in range(len(lengths))]

@@ -252,10 +252,11 @@ def test_mixes_on_cuda_plans_the_steps_its_estimate_counts(script, fake_cuda):
 
 def test_mixes_on_the_cpu_forces_each_mix_and_holds_the_budget(script, tmp_path):
     """A quick run end to end: every forced engine ran the mix it was given (the last K blocks
-    kept, the rest full) on every timed step, every engine held the budget, losses bitwise."""
+    kept, the rest full) on every timed step, every engine held the budget, losses bitwise; with
+    ``--alone`` each mix's recomputation alone ran beside it, and the engine's cost over it."""
     import json
     mx = script("mixes")
-    assert mx.main(["--quick", "--device", "cpu", "--kept", "0,1,5", "--out",
+    assert mx.main(["--quick", "--device", "cpu", "--kept", "0,1,5", "--alone", "--out",
                     str(tmp_path)]) == 0
     got = json.loads((tmp_path / "mixes-cpu.json").read_text())
     assert got["losses_bitwise_equal_across_modes"] and got["budget_held"]
@@ -266,10 +267,15 @@ def test_mixes_on_the_cpu_forces_each_mix_and_holds_the_budget(script, tmp_path)
         assert res["block_modes"]["keep 1"] == [[1, 0, 1]]
         assert res["block_modes"]["keep 2"] == [[2, 0, 0]]
         assert res["best_forced"] in ("keep 0", "keep 1", "keep 2")
-        assert set(res["modes"]) == {"none", "full", "plan", "keep 0", "keep 1", "keep 2"}
+        assert set(res["modes"]) == {"none", "full", "plan", "keep 0", "keep 1", "keep 2",
+                                     "alone 0", "alone 1", "alone 2"}
         assert res["modes"]["full"]["vs_full"] == 1.0
-    assert got["ceiling_vs_full"] > 0
-    assert "| 64 | keep 1 |" in (tmp_path / "mixes-cpu.md").read_text()
+        assert set(res["mechanism"]) == {"keep 0", "keep 1", "keep 2"}
+        assert all(v > 0 for v in res["mechanism"].values())
+    assert got["ceiling_vs_full"] > 0 and got["config"]["alone"] is True
+    md = (tmp_path / "mixes-cpu.md").read_text()
+    assert "| 64 | keep 1 |" in md and "| 64 | alone 1 |" in md
+    assert "x its recomputation alone" in md and "`alone K`" in md
 
 
 def test_mode_gap_never_finds_the_search_below_every_mix_it_tried(script, tmp_path):
@@ -299,7 +305,8 @@ def test_an_emulated_link_is_a_bandwidth_or_the_h100_s_ratio_measured_here(scrip
     # lean.py and mixes.py take the H100's ratio by default on the CPU.
     assert script("lean").parse_args(["--device", "cpu"]).emulate_link == "h100"
     # A bandwidth goes to the engines as given; the ratio is measured from the forward.
-    assert C.link_bandwidth("130MB/s", None, 1) == "130MB/s" and C.link_bandwidth(None, None, 1) is None
+    assert C.link_bandwidth("130MB/s", None, 1) == "130MB/s"
+    assert C.link_bandwidth(None, None, 1) is None
     from chameleon_swap.bench import choice
     monkeypatch.setattr(choice, "h100_link", lambda forward, saved: saved * 2.0)
     assert C.link_bandwidth("h100", lambda: None, 100) == 200.0
@@ -307,4 +314,5 @@ def test_an_emulated_link_is_a_bandwidth_or_the_h100_s_ratio_measured_here(scrip
         == "h100 ratio (352 MB/s)"
     assert C.link_words({"emulated_link": "130MB/s"}) == "130MB/s"
     assert C.link_words({"emulated_link": None}) == "real"
-    assert h._bytes_per_s("1MB/s") > 0 and h._bytes_per_s(None) is None and h._bytes_per_s(5.0) == 5.0
+    assert h._bytes_per_s("1MB/s") > 0 and h._bytes_per_s(5.0) == 5.0
+    assert h._bytes_per_s(None) is None

@@ -127,7 +127,8 @@ def test_each_link_is_pooled_apart_the_latest_run_s_first(render, tmp_path):
     results = _copied_results(render, tmp_path)
     labels = list(render.EMULATED)
     fixed = render._pool_key(render._emulated(results, labels[-1]))
-    same = [label for label in labels if render._pool_key(render._emulated(results, label)) == fixed]
+    same = [label for label in labels
+            if render._pool_key(render._emulated(results, label)) == fixed]
     for label, bw in zip(same[-2:], (300e6, 360e6)):
         path = results / f"hybrid-emulated-{label}-cpu.json"
         d = json.loads(path.read_text())
