@@ -188,7 +188,8 @@ def hooks_block(results: Path) -> str:
 
 
 # The emulated-link runs on the link issue 18 asks for (swap only at 25% at least 1.8x the
-# plain step), CPU: label -> what the row says (the config, the engine's commit).
+# plain step; from session 34 the H100's ratio of bytes to compute, measured on each run's
+# machine), CPU: label -> what the row says (the config, the engine's commit).
 EMULATED = {"after-session20-256x8": "256x8 (c59b193)",
             "after-session20-256x8-long": "256x8, long (c59b193)",
             "after-session20-140": "256x4 (c59b193)",
@@ -234,7 +235,16 @@ EMULATED = {"after-session20-256x8": "256x8 (c59b193)",
             "after-session32-256x8-run3": "256x8 (b51e0e4), run 3",
             "after-session32-256x8-run4": "256x8 (b51e0e4), run 4",
             "after-session32-256x8-run5": "256x8 (38ec9df), run 5",
-            "after-session32-256x8-run6": "256x8 (38ec9df), run 6"}
+            "after-session32-256x8-run6": "256x8 (38ec9df), run 6",
+            "after-session34-256x8": "256x8 (4537bdd, session 34)",
+            "after-session34-h100-256x8": "256x8 (4537bdd with d8b9a95's link)",
+            "after-session34-h100-256x8-run2": "256x8 (d8b9a95), run 2",
+            "after-session34-h100-256x8-run3": "256x8 (d8b9a95), run 3",
+            "after-session34-h100-256x8-run4": "256x8 (d8b9a95), run 4",
+            "after-session34-h100-256x8-run5": "256x8 (d8b9a95), run 5",
+            "after-session34-h100-256x8-run6": "256x8 (d8b9a95), run 6",
+            "after-session34-h100-256x8-run7": "256x8 (d8b9a95), run 7",
+            "after-session34-h100-256x8-run8": "256x8 (d8b9a95), run 8"}
 
 
 def _emulated(results: Path, label: str) -> dict:

@@ -122,21 +122,27 @@ def test_pooled_runs_follow_their_files_and_pool_one_config(render, tmp_path):
 
 
 def test_each_link_is_pooled_apart_the_latest_run_s_first(render, tmp_path):
-    # Two runs moved to the H100's ratio (measured on their machines: 300 and 360 MB/s) make a
-    # pool of their own, rendered first; the rest stay pooled on their fixed link.
+    # The runs on the H100's ratio (measured on each run's machine) make a pool of their own,
+    # rendered first as the latest run's; the 130 MB/s runs stay pooled on their fixed link.
+    # Two of those moved to the ratio (measured at 100 and 900 MB/s) move to its pool.
     results = _copied_results(render, tmp_path)
-    labels = list(render.EMULATED)
-    fixed = render._pool_key(render._emulated(results, labels[-1]))
-    same = [label for label in labels
-            if render._pool_key(render._emulated(results, label)) == fixed]
-    for label, bw in zip(same[-2:], (300e6, 360e6)):
+    runs = {label: render._emulated(results, label) for label in render.EMULATED}
+    ratio = [label for label, d in runs.items() if d["config"]["emulated_link"] == "h100"]
+    fixed = [label for label, d in runs.items() if d["config"]["emulated_link"] == "130MB/s"
+             and d["config"]["layers"] == 8]
+    assert ratio and list(runs)[-1] in ratio and len(fixed) >= render.POOL_MIN + 2
+
+    def pools() -> list:
+        return render.pooled_block(results).split("Pooled: ")[1:]
+    assert f"| all {len(ratio)} (" in pools()[0] and f"| all {len(fixed)} (" in pools()[1]
+    assert "on 130MB/s." in pools()[1]
+    for label, bw in zip(fixed[-2:], (100e6, 900e6)):
         path = results / f"hybrid-emulated-{label}-cpu.json"
         d = json.loads(path.read_text())
         d["config"].update(emulated_link="h100", emulated_link_bytes_per_s=bw)
         path.write_text(json.dumps(d))
-    pools = render.pooled_block(results).split("Pooled: ")[1:]
-    assert len(pools) >= 2
-    assert "an H100's ratio of bytes to compute, measured on each run's machine (300-360 MB/s)" \
-        in pools[0] and "| all 2 (" in pools[0]
-    assert f"on {fixed[-1]}." in pools[1] and f"| all {len(same) - 2} (" in pools[1]
-    assert "h100 ratio, 360 MB/s" in render.emulated_block(results)
+    first, second = pools()[:2]
+    assert "an H100's ratio of bytes to compute, measured on each run's machine (100-900 MB/s)" \
+        in first and f"| all {len(ratio) + 2} (" in first
+    assert f"| all {len(fixed) - 2} (" in second
+    assert "h100 ratio, 900 MB/s" in render.emulated_block(results)
