@@ -128,7 +128,9 @@ class BlockRunner:
             is active and grad is enabled, for eligible blocks only (ineligible blocks and calls
             that carry a KV cache run keep, unasked). Otherwise the block runs plainly.
         accountant: ``hold(nbytes) -> token`` and ``release_hold(token)`` (or ``release(token)``):
-            counts bytes the engine's saved-tensor hooks cannot see (an ``Executor``).
+            counts bytes the engine's saved-tensor hooks cannot see (an ``Executor``); with
+            ``try_hold(nbytes) -> token or None`` too, an output selective checkpointing would
+            keep where it has no room is recomputed instead (``_keep_out``).
         clock: ``mark() -> marker`` and ``seconds(markers) -> list[float]`` (the profiler's
             clocks); None: ``time.perf_counter``.
         index_fn: ``() -> int``, the accountant's next record index; None reads
@@ -174,6 +176,9 @@ class BlockRunner:
         self.quiet_hooks: Optional[Callable[[bool], Any]] = None
         self.input_bytes = 0                # the running call's input bytes (set before mode_fn)
         self._hold, self._release, self._index = accountant.hold, release, index_fn
+        # (an accountant with room to refuse: the executor's; a selective output it refuses is
+        # recomputed, not kept)
+        self._try_hold = getattr(accountant, "try_hold", None)
         self.clock = clock if clock is not None else _CpuClock()
         self.apart_fn = apart_fn
         names = {id(m): n for n, m in model.named_modules()}
@@ -463,8 +468,11 @@ class BlockRunner:
             have = self._foreign.setdefault(shapes[0], [])
             have += [t for t in leaves if not any(t is h for h in have)]
 
-    def _keep_out(self, live: _Live, out) -> None:
-        """Hold the bytes of an output selective checkpointing keeps (once per storage)."""
+    def _keep_out(self, live: _Live, out) -> bool:
+        """Hold the bytes of an output selective checkpointing would keep (once per storage);
+        False where the accountant has no room for them (``try_hold``): checkpoint then
+        recomputes it in backward, as it does the rest of the block, and the budget holds."""
+        new: dict = {}
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if not isinstance(t, torch.Tensor) or live.seen is None:
                 continue
@@ -472,10 +480,19 @@ class BlockRunner:
                 continue          # e.g. the RNG seed tensors flash attention returns on the host
             s = t.untyped_storage()
             n = s.nbytes()
-            if n and s not in live.seen:
-                live.seen.add(s)
-                live.sel_tokens.append(self._hold(n))
-                live.call.selective_bytes += n
+            if n and s not in live.seen and not any(s is o for o in new):
+                new[s] = n
+        if not new:
+            return True
+        n = sum(new.values())
+        token = (self._try_hold(n) if self._try_hold is not None and selective.can_decline()
+                 else self._hold(n))
+        if token is None:
+            return False
+        live.seen.update(new)
+        live.sel_tokens.append(token)
+        live.call.selective_bytes += n
+        return True
 
     # ------------------------------------------------------------------ recompute and holds
     def _recompute_begins(self, live: _Live) -> tuple:

@@ -48,16 +48,31 @@ class _KeepObserver(TorchDispatchMode):
         return out
 
 
+def can_decline() -> bool:
+    """Whether ``selective_contexts``' ``on_output`` can decline an output: where the policy sees
+    the output before checkpoint decides on it."""
+    return _OP_OUTPUT
+
+
 def selective_contexts(on_output):
     """checkpoint's ``(forward, recompute)`` contexts for selective checkpointing that keeps the
     outputs of ``saves_output`` ops and recomputes the rest; ``on_output(out)`` is called in the
-    forward with each kept op's output (a tensor or a tuple of them)."""
+    forward with each such op's output (a tensor or a tuple of them). Where ``can_decline()``,
+    it returns whether to keep it: an output it declines is recomputed in backward like the rest
+    (the budget has no room for it). Else (an older torch: the output is seen after checkpoint
+    kept it) its answer is not asked for, and every one is kept."""
     if _OP_OUTPUT:
+        decided: list = []          # the forward's answers, in order, for a recompute that asks
+
         def policy(ctx, func, *args, **kwargs):
-            if saves_output(func):
-                on_output(ctx.op_output)
-                return CheckpointPolicy.MUST_SAVE
-            return CheckpointPolicy.PREFER_RECOMPUTE
+            if not saves_output(func):
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            if ctx.is_recompute:    # (a torch whose recompute asks again gets the same answers)
+                keep = decided.pop(0) if decided else True
+            else:
+                keep = on_output(ctx.op_output) is not False
+                decided.append(keep)
+            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
         return create_selective_checkpoint_contexts(policy)
 
     def by_op(ctx, func, *args, **kwargs):

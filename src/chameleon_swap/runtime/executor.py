@@ -646,6 +646,16 @@ class Executor:
         see (the outputs selective checkpointing keeps itself, a block's recompute working set).
         Held bytes are never moved; they stay counted until ``release_hold(token)``. ``end_step``
         leaves holds alone: whoever holds releases."""
+        return self._hold(nbytes, False)
+
+    def try_hold(self, nbytes: int) -> Optional[int]:
+        """``hold``, where the budget has room for ``nbytes`` once what can move has moved;
+        None (nothing held) where it has not. For bytes the holder can still choose not to keep
+        (an output selective checkpointing would keep can be recomputed instead): a hold cannot
+        be moved, so one past the budget would break it."""
+        return self._hold(nbytes, True)
+
+    def _hold(self, nbytes: int, only_if_room: bool) -> Optional[int]:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int):
             raise TypeError(f"nbytes must be an int (bytes to hold); got {type(nbytes).__name__}")
         if nbytes < 0:
@@ -664,6 +674,8 @@ class Executor:
                         self._wait_deferred(self.budget - self.recompute_reserve - nbytes)
                 else:
                     self.policy.make_room_backward(need)
+                if only_if_room and self.resident_bytes + nbytes > self.budget:
+                    return None
             token = self._next_hold
             self._next_hold += 1
             self._holds[token] = nbytes
