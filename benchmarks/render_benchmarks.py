@@ -244,7 +244,9 @@ EMULATED = {"after-session20-256x8": "256x8 (c59b193)",
             "after-session34-h100-256x8-run5": "256x8 (d8b9a95), run 5",
             "after-session34-h100-256x8-run6": "256x8 (d8b9a95), run 6",
             "after-session34-h100-256x8-run7": "256x8 (d8b9a95), run 7",
-            "after-session34-h100-256x8-run8": "256x8 (d8b9a95), run 8"}
+            "after-session34-h100-256x8-run8": "256x8 (d8b9a95), run 8",
+            "after-session34-h100-256x8-run9": "256x8 (6930da2), run 9",
+            "after-session34-h100-256x8-run10": "256x8 (6930da2), run 10"}
 
 
 def _emulated(results: Path, label: str) -> dict:
