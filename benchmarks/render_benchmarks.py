@@ -246,7 +246,11 @@ EMULATED = {"after-session20-256x8": "256x8 (c59b193)",
             "after-session34-h100-256x8-run7": "256x8 (d8b9a95), run 7",
             "after-session34-h100-256x8-run8": "256x8 (d8b9a95), run 8",
             "after-session34-h100-256x8-run9": "256x8 (6930da2), run 9",
-            "after-session34-h100-256x8-run10": "256x8 (6930da2), run 10"}
+            "after-session34-h100-256x8-run10": "256x8 (6930da2), run 10",
+            "after-session34-h100-256x8-run11": "256x8 (88e9669), run 11",
+            "after-session34-h100-256x8-run12": "256x8 (88e9669), run 12",
+            "after-session34-h100-256x8-run13": "256x8 (88e9669), run 13",
+            "after-session34-h100-256x8-run14": "256x8 (88e9669), run 14"}
 
 
 def _emulated(results: Path, label: str) -> dict:
