@@ -480,7 +480,7 @@ class BlockRunner:
                 continue          # e.g. the RNG seed tensors flash attention returns on the host
             s = t.untyped_storage()
             n = s.nbytes()
-            if n and s not in live.seen and not any(s is o for o in new):
+            if n and s not in live.seen and s not in new:
                 new[s] = n
         if not new:
             return True
