@@ -296,6 +296,7 @@ def test_mode_gap_never_finds_the_search_below_every_mix_it_tried(script, tmp_pa
 
 
 def test_an_emulated_link_is_a_bandwidth_or_the_h100_s_ratio_measured_here(script, monkeypatch):
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)   # (parsing sets the threads)
     h = script("hybrid")
     C = h.C
     assert h.parse_args(["--device", "cpu", "--emulate-link", "H100"]).emulate_link == "h100"
