@@ -66,11 +66,13 @@ def check_emulated_link(p, a, gpu: bool) -> None:
 
 
 def link_bandwidth(link, forward, saved_bytes: int):
-    """What the engines' ``emulate_link=`` gets for ``--emulate-link`` ``link``: the value as
-    given, or for ``h100`` the bandwidth at an H100's ratio on this machine, from ``forward()``
-    (one training forward of the step that saves ``saved_bytes``)."""
+    """What the engines' ``emulate_link=`` gets for ``--emulate-link`` ``link``, in bytes per
+    second (None for none): the bandwidth given, or for ``h100`` the one at an H100's ratio on
+    this machine, from ``forward()`` (one training forward of the step that saves
+    ``saved_bytes``). The results record it as ``emulated_link_bytes_per_s``."""
     if link != H100_LINK:
-        return link
+        from chameleon_swap.config import parse_bandwidth
+        return parse_bandwidth(link, "--emulate-link")
     from chameleon_swap.bench.choice import h100_link
     return h100_link(forward, saved_bytes)
 

@@ -366,13 +366,6 @@ def _same(t):
     return t
 
 
-def _bytes_per_s(link) -> Optional[float]:
-    if link is None:
-        return None
-    from chameleon_swap.config import parse_bandwidth
-    return float(parse_bandwidth(link, "--emulate-link"))
-
-
 def save(a, cfg, device, lengths, natural: int, losses_equal: bool, results: dict):
     """Write what has run so far (JSON and markdown); returns (path, payload)."""
     payload = {"benchmark": "hybrid", "environment": C.environment(device),
@@ -384,7 +377,7 @@ def save(a, cfg, device, lengths, natural: int, losses_equal: bool, results: dic
                           "autocast": "bf16" if device.type == "cuda" else None,
                           "threads": torch.get_num_threads(),
                           "emulated_link": a.emulate_link,
-                          "emulated_link_bytes_per_s": _bytes_per_s(a.link_bytes_per_s)},
+                          "emulated_link_bytes_per_s": a.link_bytes_per_s},
                "natural_activation_peak_bytes": natural,
                "losses_bitwise_equal_across_modes": bool(losses_equal), "results": results}
     name = "hybrid" if a.emulate_link is None else "hybrid-emulated"

@@ -138,7 +138,7 @@ def main(argv=None) -> int:
                           "fraction": a.fraction, "budget_bytes": budget,
                           "natural_activation_peak_bytes": natural, "rounds": a.rounds,
                           "warmup": a.warmup, "emulated_link": a.emulate_link,
-                          "emulated_link_bytes_per_s": H._bytes_per_s(a.link_bytes_per_s),
+                          "emulated_link_bytes_per_s": a.link_bytes_per_s,
                           "threads": torch.get_num_threads()},
                "losses_bitwise_equal_across_modes": exact, "per_length": per_length}
     md = markdown(payload)

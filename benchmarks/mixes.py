@@ -147,7 +147,7 @@ def main(argv=None) -> int:
                           "natural_activation_peak_bytes": natural, "kept": kept,
                           "rounds": a.rounds, "warmup": a.warmup,
                           "emulated_link": a.emulate_link,
-                          "emulated_link_bytes_per_s": H._bytes_per_s(a.link_bytes_per_s),
+                          "emulated_link_bytes_per_s": a.link_bytes_per_s,
                           "threads": torch.get_num_threads(), "alone": a.alone},
                "losses_bitwise_equal_across_modes": exact, "budget_held": held,
                **summarize(times, modes, lengths, ran)}
