@@ -250,7 +250,8 @@ EMULATED = {"after-session20-256x8": "256x8 (c59b193)",
             "after-session34-h100-256x8-run11": "256x8 (88e9669), run 11",
             "after-session34-h100-256x8-run12": "256x8 (88e9669), run 12",
             "after-session34-h100-256x8-run13": "256x8 (88e9669), run 13",
-            "after-session34-h100-256x8-run14": "256x8 (88e9669), run 14"}
+            "after-session34-h100-256x8-run14": "256x8 (88e9669), run 14",
+            "after-session35-h100-256x8-run1": "256x8 (8da5204, session 35)"}
 
 
 def _emulated(results: Path, label: str) -> dict:
