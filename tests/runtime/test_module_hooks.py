@@ -10,8 +10,8 @@ import torch
 
 import chameleon_swap as cs
 from chameleon_swap.runtime import module_hooks
-from _helpers import assert_bitwise, grads
-from _models import TModel, randn
+from _helpers import assert_bitwise, grads, natural_peak, train_beside
+from _models import TBlock, TModel, randn
 
 
 class _Progress:
@@ -280,3 +280,121 @@ def test_the_dicts_stay_the_same_objects_and_a_hook_registered_inside_keeps_runn
     model.head(randn(2, 16))
     assert seen == []
     assert not any(module_hooks._KEPT)            # (pruned at the next quiet block)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled-before"])
+def test_the_hooks_step_aside_for_a_lean_step_and_come_back(monkeypatch, alone, compiled):
+    # A size the budget holds whole runs lean from its first block on (policy/lean.py): its
+    # module calls need nothing of the engine but the buffer check, so the hooks leave torch's
+    # dicts (the fast call path) until the step ends. Not where torch.compile ran in the
+    # process (dynamo may read the dicts when it traces). The step's first visit of the size
+    # runs on the executor's path, with the hooks.
+    monkeypatch.setattr(module_hooks, "_compiled", lambda: compiled)
+    model, ref = TModel(p=0.0), TModel(p=0.0)
+    eng_ref = _counted(model)
+    _counted(ref)
+    with cs.Chameleon(10**9, model=model, blocks="layers", link_bandwidth="10MB/s") as eng:
+        eng_ref[0] = eng
+        _steps_match(eng, model, ref, range(3))
+        assert [s.lean for s in eng.history] == ["", "whole", "whole"]
+    seen = [n for layer in model.layers for _, n in layer.fc1.seen]
+    # Per block: step 0 with the hooks, steps 1 and 2 out of their way (or in, compiled).
+    assert sorted(seen) == ([2] * 9 if compiled else [0] * 6 + [2] * 3)
+
+
+class _Tail(torch.nn.Module):
+    """Three blocks, then ``extra`` calls of a counted linear: a step of the same size (the first
+    block's input) that saves more than the steps before it, with module calls after its trip."""
+
+    def __init__(self, eng_ref: list) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(TBlock(16, 0.0) for _ in range(3))
+        self.tail = _Counts(torch.nn.Linear(16, 16), eng_ref)
+        self.extra = 0
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        for _ in range(self.extra):
+            x = torch.sigmoid(self.tail(x))
+        return x.square().mean()
+
+
+def test_a_lean_step_that_trips_has_the_hooks_back_from_its_trip(monkeypatch, alone):
+    # From the trip on the step is on the executor's path, which checks buffers at module calls:
+    # the hooks come back there, not at the step's end. Bit for bit and within the budget.
+    monkeypatch.setattr(module_hooks, "_compiled", lambda: False)
+    eng_ref = [None]
+    model, ref = _Tail(eng_ref), _Tail([None])
+    x = randn(2, 24, 16, seed=3)
+    budget = int(natural_peak(model, x) * 1.01)
+    with cs.Chameleon(budget, device="cpu", model=model, blocks="layers", min_tensor_bytes=0,
+                      link_bandwidth="10MB/s") as eng:
+        eng_ref[0] = eng
+        for extra in (0, 0, 6):
+            model.extra = ref.extra = extra
+            train_beside(model, ref, [x], eng, budget)
+            assert _engine_hooks_registered(eng) == 2
+        assert [s.lean for s in eng.history] == ["", "whole", "tripped"]
+    seen = [n for _, n in model.tail.seen]
+    first_in = seen.index(2)
+    assert 0 < first_in and seen == [0] * first_in + [2] * (6 - first_in)
+
+
+def test_the_hooks_come_back_when_a_lean_step_raises(monkeypatch, alone):
+    monkeypatch.setattr(module_hooks, "_compiled", lambda: False)
+    model = TModel(p=0.0)
+    eng_ref = _counted(model)
+    with cs.Chameleon(10**9, model=model, blocks="layers", link_bandwidth="10MB/s") as eng:
+        eng_ref[0] = eng
+        for k in range(2):
+            with eng.step():
+                model(randn(2, 9, 16, seed=k)).backward()
+        with pytest.raises(ValueError, match="in a lean step"):
+            with eng.step():
+                model(randn(2, 9, 16, seed=2))
+                assert eng._lean_step and _engine_hooks_registered(eng) == 0
+                raise ValueError("in a lean step")
+        assert _engine_hooks_registered(eng) == 2 and eng.last_step.failed
+        assert eng.records_alive == 0 and eng.resident_bytes == 0
+
+
+class _Scaled(torch.nn.Module):
+    """Blocks whose output is scaled by a buffer: the multiplication saves the buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(TBlock(16, 0.0) for _ in range(3))
+        for layer in self.layers:
+            layer.register_buffer("gain", torch.full((16,), 1.5))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x) * layer.gain
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("blocks", [True, False], ids=["model", "no-model"])
+def test_a_lean_step_checks_the_models_buffers_without_the_hooks(monkeypatch, alone, blocks):
+    # The buffer check the pre hook made at every module call is made for the model's buffers
+    # when the lean path starts (model=): a lean step saves what the executor's path saved, its
+    # buffers skipped. Without model= there is no model to look in: a buffer first saved on the
+    # lean path counts as an activation (more counted than kept: on the budget's side).
+    monkeypatch.setattr(module_hooks, "_compiled", lambda: False)
+    model, ref = _Scaled(), _Scaled()
+    x = randn(2, 24, 16, seed=3)
+    budget = 10**9
+    with cs.Chameleon(budget, device="cpu", model=model if blocks else None, min_tensor_bytes=0,
+                      link_bandwidth="10MB/s") as eng:
+        train_beside(model, ref, [x] * 3, eng, budget)
+        first, lean = eng.history[0], eng.history[1:]
+    assert [s.lean for s in lean] == ["whole", "whole"]
+    gains = 3 * 16 * 4
+    for s in lean:
+        if blocks:
+            assert (s.saved_bytes, s.skipped_bytes) == (first.saved_bytes, first.skipped_bytes)
+        else:        # (the first block's was checked at its call, before the lean path began)
+            more = s.saved_bytes - first.saved_bytes
+            assert 0 < more <= gains and s.skipped_bytes == first.skipped_bytes - more

@@ -5,8 +5,9 @@ shows what its size saves when nothing moves or recomputes: its saved bytes (wit
 steps' graphs still held). Where that is within the budget, keeping everything is the cheapest
 plan there is (no copy, no recompute), and what the engine does per saved tensor is all it adds.
 From then on the size's steps run on the lean path: the saved-tensor hooks of an engine that
-never moves (``runtime/resident.py``), no policy call per save, module calls past the engine but
-for its buffer check, every block run as written, no profile. Nothing on such a step is a
+never moves (``runtime/resident.py``), no policy call per save, module calls past the engine (its
+global module hooks out of their way, ``Chameleon._go_lean``; with ``model=`` the model's buffers
+checked once instead), every block run as written, no profile. Nothing on such a step is a
 choice, so nothing is planned, checked or learnt from it but its time.
 
 Where a step's size is known decides where its lean path starts. With ``model=``, at its first

@@ -93,7 +93,9 @@ _KEPT: list = []        # stand-ins holding hooks registered inside quiet blocks
 class Quiet:
     """The engine's global module hooks out of the way while a block runs checkpointed, for the
     module calls inside it to take torch's fast call path (``Quiet(eng, forward)``: ``forward``
-    for a checkpointed block's forward, else its recompute).
+    for a checkpointed block's forward, else its recompute), and for the rest of a lean step
+    (``Chameleon._go_lean``: until the step ends or trips; a block's own inside it finds the
+    hooks gone already and does nothing).
 
     Inside a full block's forward (under no_grad) and its recompute the hooks do nothing but the
     runner's probe, which a walk of the recompute's graph replaces (``full.py``; it finds every
