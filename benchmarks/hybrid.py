@@ -47,7 +47,11 @@ recomputed, block modes; and whether every loss was bit-for-bit the plain step's
 too (``paired_ratio_vs_none``, and each engine's ``paired_vs`` every other mode): the median of a
 mode's step over another's at the same length in the same round, run back to back, which a
 machine that speeds up or slows down over the run leaves alone (the plain medians do not: on
-this project's shared CPU whole runs moved by 0.05-0.14x).
+this project's shared CPU whole runs moved by 0.05-0.14x). Off CUDA, what each recomputation
+keeps after its forward at each length (``kept_bytes_per_length``, the bench meter's live bytes)
+and whether the budget holds it (``fits_per_length``; "(over)" in the per-length table): 256x8's
+selective recomputation keeps 26.9, 40.3 and 53.8 MiB at 256, 384 and 512 tokens, over the 50%
+budget's 42.9 at 512, where issue 18's 50% target compares the hybrid with it.
 
 Time on one H100 (``--device cuda``, default config): 5 modes x 3 budgets x (2 + 4) steps x 3
 lengths, 270 steps; their times summed to 166 s when the project ran it there, about 3 minutes
@@ -300,6 +304,13 @@ def main(argv=None) -> int:
 
     peers = ["none"] + (["hooks"] if device.type == "cpu" else []) + [
         "full-recompute", "selective-recompute"]
+    # What each recomputation keeps for backward per length, against which a budget's targets
+    # are read: one metered forward each (not on CUDA: the lease's time; its figures are
+    # GPU-FINDINGS'). Selective checkpointing keeps outputs of its own; the budget may not hold
+    # them at every length.
+    kept = ({} if device.type == "cuda" else
+            {m: {str(T): kept_after_forward(lambda: loss_of(T), model, m) for T in lengths}
+             for m in ("full-recompute", "selective-recompute")})
     results: dict = {}
     losses_equal = True
     steps = a.warmup + a.reps
@@ -341,6 +352,10 @@ def main(argv=None) -> int:
                 for m in modes:
                     rec[m]["peaks"].append(metered_peak(lambda: run(m, engines, longest), device))
             results[tag] = summarize(rec, modes, engines, budget)
+            for m, per_length in kept.items():
+                results[tag][m]["kept_bytes_per_length"] = per_length
+                results[tag][m]["fits_per_length"] = {T: n <= budget
+                                                      for T, n in per_length.items()}
             # Each budget's results as it ends: a run stopped early (a short lease, a crash)
             # keeps the budgets it finished, in the file and in the log.
             print(f"{tag}: " + ", ".join(
@@ -383,6 +398,20 @@ def save(a, cfg, device, lengths, natural: int, losses_equal: bool, results: dic
     name = "hybrid" if a.emulate_link is None else "hybrid-emulated"
     name += f"-{a.label}" if a.label else ""
     return C.write_results(name, device, payload, markdown(payload), a.out), payload
+
+
+def kept_after_forward(forward, model, mode: str) -> int:
+    """Bytes a forward under ``mode``'s recomputation (``full-recompute`` or
+    ``selective-recompute``) leaves allocated for backward (the bench meter's live bytes when it
+    returns: what the budget bounds; the plain forward's equals the engine's count of its saved
+    bytes)."""
+    from chameleon_swap.bench.meter import MemoryMeter
+    with checkpointed(model, selective=mode == "selective-recompute"):
+        with MemoryMeter(next(model.parameters()).device, record_curve=False) as m:
+            loss = forward()
+            live = m.live_bytes
+    del loss
+    return live
 
 
 def metered_peak(step, device) -> int:
@@ -576,12 +605,16 @@ def markdown(payload: dict) -> str:
         none = res["none"].get("median_step_s_per_length", {})
         for m, r in res.items():
             got = r.get("median_step_s_per_length", {})
+            fits = r.get("fits_per_length", {})
             if m != "none" and got and none:
-                per_len.append([tag, m] + [f"{got[T] / none[T]:.2f}x" for T in none if T in got])
+                per_len.append([tag, m] + [f"{got[T] / none[T]:.2f}x"
+                                           + ("" if fits.get(T, True) else " (over)")
+                                           for T in none if T in got])
     lengths = list(payload["results"][next(iter(payload["results"]))]["none"].get(
         "median_step_s_per_length", {}))
     per_len_md = ("" if not per_len else "\n\nPer length (median step over the plain step's "
-                  "median at the same length):\n\n" + C.markdown_table(
+                  "median at the same length; (over): the recomputation keeps more after its "
+                  "forward than the budget):\n\n" + C.markdown_table(
                       ["budget", "mode"] + [f"T={T}" for T in lengths], per_len))
     return (f"# hybrid on {env['device_name']}"
             f"{f', emulated link {link}' if link else ''}{C.delay_note(env)}\n\n"

@@ -316,3 +316,43 @@ def test_an_emulated_link_is_a_bandwidth_or_the_h100_s_ratio_measured_here(scrip
         == "h100 ratio (352 MB/s)"
     assert C.link_words({"emulated_link": "130MB/s"}) == "130MB/s"
     assert C.link_words({"emulated_link": None}) == "real"
+
+
+def test_hybrid_marks_a_recomputation_that_keeps_more_than_the_budget(script, monkeypatch):
+    # Issue 18's 50% target compares the hybrid with selective recomputation's step; where
+    # selective keeps more after its forward than the budget (the 256x8 Llama at 512 tokens: about
+    # 54 MiB against 43), the comparison is with a mode the budget does not allow: the per-length
+    # table says so. Measured by the bench meter on a real (small) HF Llama forward.
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    h = script("hybrid")
+    a = h.parse_args(["--device", "cpu", "--quick"])
+    model, cfg = h.build(a, torch.device("cpu"))
+    ids = torch.randint(0, cfg.vocab_size, (1, 65), generator=torch.Generator().manual_seed(0))
+
+    def forward():
+        return model(input_ids=ids[:, :-1], labels=ids[:, 1:]).loss
+    import chameleon_swap as cs
+    with cs.Chameleon(None, device="cpu") as probe:
+        with probe.step():
+            forward().backward()
+        natural = probe.last_step.peak_resident_bytes
+    model.zero_grad(set_to_none=True)
+    full = h.kept_after_forward(forward, model, "full-recompute")
+    selective = h.kept_after_forward(forward, model, "selective-recompute")
+    assert 0 < full < selective < natural
+    res = {"none": {"median_step_s_per_length": {"64": 1.0}},
+           "selective-recompute": {"median_step_s_per_length": {"64": 1.2},
+                                   "fits_per_length": {"64": False}},
+           "full-recompute": {"median_step_s_per_length": {"64": 1.3},
+                              "fits_per_length": {"64": True}}}
+    rows = {m: {"median_step_s": 1.0, "ratio_vs_none": 1.0, "paired_ratio_vs_none": None,
+                "total_s": 1.0, "peak_device_bytes": None, **r} for m, r in res.items()}
+    payload = {"environment": {"device_name": "cpu", "device": "cpu", "torch": "x",
+                               "commit": "y"},
+               "config": {"hidden": 1, "layers": 1, "heads": 1, "vocab": 1, "lengths": [64],
+                          "autocast": None, "reps": 1, "emulated_link": None},
+               "natural_activation_peak_bytes": natural,
+               "losses_bitwise_equal_across_modes": True, "results": {"50%": rows}}
+    md = h.markdown(payload)
+    assert "| 50% | selective-recompute | 1.20x (over) |" in md
+    assert "| 50% | full-recompute | 1.30x |" in md
