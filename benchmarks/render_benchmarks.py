@@ -251,7 +251,8 @@ EMULATED = {"after-session20-256x8": "256x8 (c59b193)",
             "after-session34-h100-256x8-run12": "256x8 (88e9669), run 12",
             "after-session34-h100-256x8-run13": "256x8 (88e9669), run 13",
             "after-session34-h100-256x8-run14": "256x8 (88e9669), run 14",
-            "after-session35-h100-256x8-run1": "256x8 (8da5204, session 35)"}
+            "after-session35-h100-256x8-run1": "256x8 (8da5204, session 35)",
+            "after-session35-h100-256x8-run2": "256x8 (4f0f171), run 2"}
 
 
 def _emulated(results: Path, label: str) -> dict:
@@ -384,7 +385,28 @@ def _pool(results: Path, runs: list) -> str:
             low, high = _interval(floor)
             out.append(f"| {name} | hooks@75% / none (no target: the floor) | "
                        f"{statistics.median(floor):.3f} | {low:.3f}-{high:.3f} | - | - |")
+    over = _over(runs[-1][1])
+    if over:
+        out += ["", f"In the latest run ({EMULATED[runs[-1][0]]}) a target's recomputation keeps "
+                f"more after its forward than the budget: {'; '.join(over)}. There the target "
+                f"compares the hybrid with a mode the budget does not allow."]
     return "\n".join(out)
+
+
+def _over(d: dict) -> list:
+    """Where a run recorded it (``fits_per_length``, hybrid.py off CUDA): each target's
+    recomputation at the lengths where it keeps more than the budget, in words."""
+    out = []
+    for pct, vs, _, _ in TARGETS:
+        r = d["results"].get(pct, {})
+        mode, budget = r.get(vs, {}), r.get(f"hybrid@{pct}", {}).get("budget_bytes")
+        kept = mode.get("kept_bytes_per_length", {})
+        for T, ok in mode.get("fits_per_length", {}).items():
+            if not ok and T in kept and budget:
+                name = vs.replace("-recompute", " recomputation")
+                out.append(f"at {pct}, {name} at {T} tokens ({kept[T] / 2**20:.1f} MiB against "
+                           f"{budget / 2**20:.1f})")
+    return out
 
 
 BLOCKS: dict[str, Callable[[Path], str]] = {

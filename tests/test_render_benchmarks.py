@@ -146,3 +146,24 @@ def test_each_link_is_pooled_apart_the_latest_run_s_first(render, tmp_path):
         in first and f"| all {len(ratio) + 2} (" in first
     assert f"| all {len(fixed) - 2} (" in second
     assert "h100 ratio, 900 MB/s" in render.emulated_block(results)
+
+
+def test_the_pool_says_where_a_target_s_recomputation_exceeds_the_budget(render, tmp_path):
+    # hybrid.py records what each recomputation keeps after its forward per length and whether
+    # the budget holds it; where a target's comparator does not fit (selective at 50%), the
+    # pooled section says so under its table, from the latest run; a run that fits says nothing.
+    results = _copied_results(render, tmp_path)
+    latest = list(render.EMULATED)[-1]
+    path = results / f"hybrid-emulated-{latest}-cpu.json"
+    d = json.loads(path.read_text())
+    sel = d["results"]["50%"]["selective-recompute"]
+    sel["kept_bytes_per_length"] = {"256": 2**20, "512": 60 * 2**20}
+    sel["fits_per_length"] = {"256": True, "512": False}
+    d["results"]["50%"]["hybrid@50%"]["budget_bytes"] = 40 * 2**20
+    path.write_text(json.dumps(d))
+    first = render.pooled_block(results).split("Pooled: ")[1]
+    assert ("keeps more after its forward than the budget: at 50%, selective recomputation at "
+            "512 tokens (60.0 MiB against 40.0)") in first
+    sel["fits_per_length"] = {"256": True, "512": True}
+    path.write_text(json.dumps(d))
+    assert "keeps more after its forward" not in render.pooled_block(results)
