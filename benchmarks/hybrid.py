@@ -305,9 +305,9 @@ def main(argv=None) -> int:
     peers = ["none"] + (["hooks"] if device.type == "cpu" else []) + [
         "full-recompute", "selective-recompute"]
     # What each recomputation keeps for backward per length, against which a budget's targets
-    # are read: one metered forward each (not on CUDA: the lease's time; its figures are
-    # GPU-FINDINGS'). Selective checkpointing keeps outputs of its own; the budget may not hold
-    # them at every length.
+    # are read: one metered forward each (not on CUDA, where a lease's minutes go to the timed
+    # steps). Selective checkpointing keeps outputs of its own; the budget may not hold them at
+    # every length.
     kept = ({} if device.type == "cuda" else
             {m: {str(T): kept_after_forward(lambda: loss_of(T), model, m) for T in lengths}
              for m in ("full-recompute", "selective-recompute")})

@@ -328,9 +328,9 @@ class Chameleon:
         # thread's time over 30 interleaved rounds, the plain step's multiple, four runs each):
         # 256 tokens, whole, 1.060 with the hooks in, 1.055 aside; 384, tripping near its end,
         # 1.051 and 1.046; seven of the eight runs favoured aside, one tied. Small (the lean
-        # hooks' per-save work is the rest of the gap), and it costs nothing else. Without
-        # model=, a buffer first saved after this counts as an activation (the lean path never
-        # moves it): on the budget's side.
+        # hooks' per-save work is the rest of the gap), and it costs nothing else. A buffer of
+        # a module outside the model (or of any module, without model=) first saved after this
+        # counts as an activation (the lean path never moves it): on the budget's side.
         model = self._model() if self._model is not None else None
         if model is not None:
             for m in model.modules():
