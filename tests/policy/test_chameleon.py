@@ -14,7 +14,7 @@ import torch.nn as nn
 import chameleon_swap as cs
 from chameleon_swap.workloads import Llama, LlamaConfig, MoE, MoEConfig
 
-from _helpers import assert_bitwise, grads, natural_peak, train_step
+from _helpers import assert_bitwise, grads, natural_peak, train_beside, train_step
 
 TINY = dict(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=64)
 ADAPTIVE = ["chameleon", "static"]
@@ -335,3 +335,26 @@ def test_a_step_in_new_block_modes_takes_a_cached_plan_of_its_modes_else_its_mod
         assert pol._in_modes() is None
     finally:
         copy_engine.close()
+
+
+@pytest.mark.parametrize("link", [{"link_bandwidth": "500MB/s"}, {"emulate_link": "500MB/s"}],
+                         ids=["planned", "emulated"])
+def test_a_plan_by_keys_on_a_larger_step_moves_what_it_lacks_early(link):
+    """A plan made for 48 tokens, applied by keys to a 64-token step: the step saves more than
+    the plan's spans, and what the plan's own moves will not cover goes as soon as the matched
+    spans show it, from the records the plan keeps (``_top_up``), not at the budget's edge by
+    the guard (before: 20 overrides on this step at 500 MB/s, 6 at 200 with 4 budget waits). The
+    step then counts as missed: the sequence gets its own plan. On the emulated link too (the
+    real clock's twin: the copies take the link's time, and the moves still start early)."""
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**{**TINY, "dim": 64, "n_layers": 4, "max_seq_len": 128}))
+    ref = copy.deepcopy(model)
+    budget = int(natural_peak(model, batch(2, 48, 0)) * 0.6)
+    with cs.Chameleon(budget, device="cpu", min_tensor_bytes=0, **link) as eng:
+        for i, T in enumerate([48, 48, 48, 64]):
+            train_beside(model, ref, [batch(2, T, i)], eng, budget)
+        s, pol = eng.last_step, eng._policy
+        # (Byte counts, not times: a record in flight counts as leaving whatever the clock.)
+        assert s.plan_source == "planned" and pol._fuzzy_used, s
+        assert s.plan_overrides == 0 and s.forced_offloads == 0, s
+        assert pol._topped_up > 0 and pol._miss()

@@ -107,12 +107,19 @@ def wants_more(plan: PlanEntry, step_bytes: int, plan_bytes: int, moved: int,
     hold their working sets (``PlanEntry.peak_bytes``)."""
     if plan_bytes <= 0:
         return True
+    return moved < scaled_need(plan, step_bytes, plan_bytes, budget)
+
+
+def scaled_need(plan: PlanEntry, step_bytes: int, plan_bytes: int, budget: int) -> float:
+    """What a step followed by a plan by keys must move in all (``wants_more``): the plan's
+    peak scaled by the step's bytes of the spans matched so far over the plan's, minus the
+    budget, times the plan's own margin."""
     peak = plan.peak_bytes or sum(plan.nbytes)
     need = peak * step_bytes / plan_bytes - budget
     plan_need = peak - plan.budget_bytes
     if plan_need > 0:
         need *= max(1.0, plan.moved_bytes / plan_need)
-    return moved < need
+    return need
 
 
 class SwapJobs:
