@@ -13,7 +13,10 @@ varying dimensions tolerated; never by address) to the closest plan's entries, a
 step's block modes (with ``model=``: a cached one, else the mode plan's swap set).
 
 Whatever matches nothing goes to the guard, and the guard holds the budget whatever the plan says:
-a stale plan costs speed, never the budget (LESSONS 6).
+a stale plan costs speed, never the budget (LESSONS 6). A plan by keys is scaled to the step: it
+moves on its word only while the step still has to (``swap_jobs.wants_more``), and where the step
+turns out larger than the plan's own spans, what its moves will not cover goes early, from the
+records it keeps (``_top_up``), rather than at the budget's edge.
 
 ``StaticPolicy`` (``policy="static"``, ``static.py``) is the warm-up-frozen peers' baseline: the
 same planner, run once on the first step after warm-up, then applied by save position forever.
