@@ -252,7 +252,10 @@ EMULATED = {"after-session20-256x8": "256x8 (c59b193)",
             "after-session34-h100-256x8-run13": "256x8 (88e9669), run 13",
             "after-session34-h100-256x8-run14": "256x8 (88e9669), run 14",
             "after-session35-h100-256x8-run1": "256x8 (8da5204, session 35)",
-            "after-session35-h100-256x8-run2": "256x8 (4f0f171), run 2"}
+            "after-session35-h100-256x8-run2": "256x8 (4f0f171), run 2",
+            "after-session35-h100-256x8-run3": "256x8 (7e8c783), run 3",
+            "after-session35-h100-256x8-run4": "256x8 (325ab4b), run 4",
+            "after-session35-h100-256x8-run5": "256x8 (325ab4b), run 5"}
 
 
 def _emulated(results: Path, label: str) -> dict:
