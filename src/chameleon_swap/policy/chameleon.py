@@ -83,6 +83,7 @@ class ChameleonPolicy:
         self._fuzzy_moved = 0               # bytes moved on a fuzzily matched plan's word
         self._planned_seen = 0              # of its spans matched so far, the bytes it moves
         self._topped_up = 0                 # records it kept, moved early (``_top_up``)
+        self._sums: Optional[tuple] = None  # (plan, its bytes, the bytes it moves): _top_up's
         self.overrides = 0                  # planned-resident records the guard had to move
         self._agree: dict[int, bool] = {}   # id(plan) -> its block modes are this step's
         self._no_plan_in_modes = False      # _in_modes found none (the modes hold all step)
@@ -242,11 +243,15 @@ class ChameleonPolicy:
         Llama 256x8 at 50%, 384 tokens), a mix's first step on its plan by keys moved 14.1 MiB
         on the plan's word where the step saved 5 MiB more than the plan's spans, and the guard
         moved the rest with 12 budget waits and 8 fetches on demand: 20.8 ms of stall."""
-        if self._plan_bytes < TOP_UP_FROM * sum(plan.nbytes) or not self._kept:
+        sums = self._sums
+        if sums is None or sums[0] is not plan:     # (once per plan a step, not per save)
+            sums = self._sums = (plan, sum(plan.nbytes),
+                                 sum(n for n, m in zip(plan.nbytes, plan.move) if m))
+        _, total, planned = sums
+        if self._plan_bytes < TOP_UP_FROM * total or not self._kept:
             return
         ex = self.ex
-        need = scaled_need(plan, self._step_bytes, self._plan_bytes, ex.budget)
-        planned = sum(n for n, m in zip(plan.nbytes, plan.move) if m)
+        need = scaled_need(plan, self._step_bytes, self._plan_bytes, ex.budget, total)
         to_come = (planned - self._planned_seen) * self._step_bytes / self._plan_bytes
         short = need - self._fuzzy_moved - to_come
         while short > 0 and self._kept:

@@ -110,11 +110,12 @@ def wants_more(plan: PlanEntry, step_bytes: int, plan_bytes: int, moved: int,
     return moved < scaled_need(plan, step_bytes, plan_bytes, budget)
 
 
-def scaled_need(plan: PlanEntry, step_bytes: int, plan_bytes: int, budget: int) -> float:
+def scaled_need(plan: PlanEntry, step_bytes: int, plan_bytes: int, budget: int,
+                total: Optional[int] = None) -> float:
     """What a step followed by a plan by keys must move in all (``wants_more``): the plan's
     peak scaled by the step's bytes of the spans matched so far over the plan's, minus the
-    budget, times the plan's own margin."""
-    peak = plan.peak_bytes or sum(plan.nbytes)
+    budget, times the plan's own margin. ``total``: the plan's spans' bytes, where known."""
+    peak = plan.peak_bytes or (total if total is not None else sum(plan.nbytes))
     need = peak * step_bytes / plan_bytes - budget
     plan_need = peak - plan.budget_bytes
     if plan_need > 0:
