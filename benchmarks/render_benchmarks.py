@@ -255,7 +255,12 @@ EMULATED = {"after-session20-256x8": "256x8 (c59b193)",
             "after-session35-h100-256x8-run2": "256x8 (4f0f171), run 2",
             "after-session35-h100-256x8-run3": "256x8 (7e8c783), run 3",
             "after-session35-h100-256x8-run4": "256x8 (325ab4b), run 4",
-            "after-session35-h100-256x8-run5": "256x8 (325ab4b), run 5"}
+            "after-session35-h100-256x8-run5": "256x8 (325ab4b), run 5",
+            "after-session35-h100-256x8-run6": "256x8 (295f5ab), run 6",
+            "after-session35-h100-256x8-run7": "256x8 (db06141), run 7",
+            "after-session35-h100-256x8-run8": "256x8 (db06141), run 8",
+            "after-session35-h100-256x8-run9": "256x8 (db06141), run 9",
+            "after-session35-h100-256x8-run10": "256x8 (db06141), run 10"}
 
 
 def _emulated(results: Path, label: str) -> dict:
