@@ -16,7 +16,7 @@ Whatever matches nothing goes to the guard, and the guard holds the budget whate
 a stale plan costs speed, never the budget (LESSONS 6). A plan by keys is scaled to the step: it
 moves on its word only while the step still has to (``swap_jobs.wants_more``), and where the step
 turns out larger than the plan's own spans, what its moves will not cover goes early, from the
-records it keeps (``_top_up``), rather than at the budget's edge.
+records it keeps (``swap_jobs.top_up``), rather than at the budget's edge.
 
 ``StaticPolicy`` (``policy="static"``, ``static.py``) is the warm-up-frozen peers' baseline: the
 same planner, run once on the first step after warm-up, then applied by save position forever.
@@ -34,12 +34,10 @@ from .block_modes import COLD_STEPS, BlockModes
 from .host_room import HostRoom
 from .checks import PlanChecks, check_step
 from ..planning.cache import DEFAULT_PLAN_CACHE_SIZE, PlanCache, PlanEntry
-from .swap_jobs import SwapJobs, entry_of, plan_in_modes, scaled_need, wants_more
+from .swap_jobs import SwapJobs, adapt, entry_of, plan_in_modes, top_up, wants_more
 from .lean import end_lean, learn_step
 
-RECENT_STEPS = 4          # an estimated plan used this recently earns a detailed step
 FIT_COVERAGE = 0.9        # share of saved bytes a plan must match to be kept for a new sequence
-TOP_UP_FROM = 0.2         # share of a plan by keys' bytes matched before its moves are topped up
 
 
 class ChameleonPolicy:
@@ -82,8 +80,8 @@ class ChameleonPolicy:
         self._step_bytes = 0                # ... and this step's bytes of the same tensors
         self._fuzzy_moved = 0               # bytes moved on a fuzzily matched plan's word
         self._planned_seen = 0              # of its spans matched so far, the bytes it moves
-        self._topped_up = 0                 # records it kept, moved early (``_top_up``)
-        self._sums: Optional[tuple] = None  # (plan, its bytes, the bytes it moves): _top_up's
+        self._topped_up = 0                 # records it kept, moved early (``top_up``)
+        self._sums: Optional[tuple] = None  # (plan, its bytes, the bytes it moves): top_up's
         self.overrides = 0                  # planned-resident records the guard had to move
         self._agree: dict[int, bool] = {}   # id(plan) -> its block modes are this step's
         self._no_plan_in_modes = False      # _in_modes found none (the modes hold all step)
@@ -230,38 +228,9 @@ class ChameleonPolicy:
         else:
             self._kept.append(rec)
         if self._active is None:
-            self._top_up(plan)
+            top_up(self, plan)
         elif rec.index == plan.n_forward - 1:
             self._forward_end()
-
-    def _top_up(self, plan: PlanEntry) -> None:
-        """A plan by keys on a step larger than the plan's own (its matched spans' bytes
-        against the plan's): what the plan's moves still to come will not cover goes now, from
-        the records it keeps, saved first (needed last) first, while their copies can overlap
-        the forward. Left to the budget's edge, the guard moved them there and the step waited
-        for the link: measured on this project's 2-core CPU (the emulated-link benchmark's HF
-        Llama 256x8 at 50%, 384 tokens), a mix's first step on its plan by keys moved 14.1 MiB
-        on the plan's word where the step saved 5 MiB more than the plan's spans, and the guard
-        moved the rest with 12 budget waits and 8 fetches on demand: 20.8 ms of stall."""
-        sums = self._sums
-        if sums is None or sums[0] is not plan:     # (once per plan a step, not per save)
-            sums = self._sums = (plan, sum(plan.nbytes),
-                                 sum(n for n, m in zip(plan.nbytes, plan.move) if m))
-        _, total, planned = sums
-        if self._plan_bytes < TOP_UP_FROM * total or not self._kept:
-            return
-        ex = self.ex
-        need = scaled_need(plan, self._step_bytes, self._plan_bytes, ex.budget, total)
-        to_come = (planned - self._planned_seen) * self._step_bytes / self._plan_bytes
-        short = need - self._fuzzy_moved - to_come
-        while short > 0 and self._kept:
-            old = self._kept.popleft()
-            if old.state == RESIDENT and old.counted and old.handles:
-                ex.offload(old)              # (or put off until a host buffer is ready)
-                self.guard._inflight.append(old)
-                self._fuzzy_moved += old.nbytes
-                self._topped_up += 1
-                short -= old.nbytes
 
     # ------------------------------------------------------------------ backward
     def _forward_end(self) -> None:
@@ -365,7 +334,7 @@ class ChameleonPolicy:
             self.checks.learn_moves(profile)    # before any plan of this step's end is made
         if profile is not None and profile.n_forward > 0 and self.ex.budget is not None:
             self.swap_jobs.land(self)
-            self._adapt(profile)
+            adapt(self, profile)
             self._prev_sig = profile.signature
         if profile is not None and profile.blocks:
             t0 = time.perf_counter()         # mode planning counts as planning time too
@@ -409,24 +378,6 @@ class ChameleonPolicy:
     def _miss(self) -> bool:
         # (A plan by keys topped up did not stand for the step either: its moves fell short.)
         return self.overrides > 0 or self._topped_up > 0 or self.ex.stats.forced_offloads > 0
-
-    def _adapt(self, profile) -> None:
-        entry = self.cache.get(profile.signature)
-        miss = self._miss()
-        if entry is None and not miss and self._fits(profile) and not self._applied.by_mix:
-            # A sequence new in detail, but the plan applied to it (by keys) held without the
-            # guard's help: like the paper, keep it instead of planning again (MoE routing makes
-            # a new signature nearly every step; planning each costs more than it saves). Not
-            # a mix's plan made before it ran (``by_mix``): the mix's own steps are planned.
-            return
-        if entry is None or (profile.detailed and (not entry.detailed or miss)):
-            made = self.swap_jobs.make(self, profile)       # (None: the planner process's)
-            if made is not None:
-                self.cache.put(made)
-        # Detail is wanted when a plan was missed, or a plan still made from estimates has
-        # been in use lately (a recurring sequence gets timed once, then runs from cache).
-        recent = [e for e in self.cache.entries() if self.step_no - e.last_used < RECENT_STEPS]
-        self._want_detail = (miss and not profile.detailed) or any(not e.detailed for e in recent)
 
     def timeline(self, profile):
         """``profile`` on the timeline model, with the link and a move's cost as learnt."""

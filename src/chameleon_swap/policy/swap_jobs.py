@@ -1,4 +1,6 @@
-"""Swap plans made in the planner process once making them on the step's thread costs.
+"""Swap plans made in the planner process once making them on the step's thread costs; and what
+a policy follows a plan by tensor keys with (which plan, how much it moves, its top-up) and makes
+a plan of its own after (``adapt``).
 
 A swap plan (``planning/swaps.py``: which saved tensors move and when each comes back) is made at
 the end of a step whose operator sequence has no plan yet, on the step's thread, and the step's
@@ -28,6 +30,7 @@ from typing import Optional
 
 from ..planning.cache import PlanEntry, compile_mix, compile_plan
 from ..planning.signatures import step_size
+from ..runtime.records import RESIDENT
 from . import checks
 
 BACKGROUND_SECONDS = 0.02   # a plan made here that took longer sends the next ones to the process
@@ -37,6 +40,8 @@ MAX_PENDING = 8             # plans in the process at once; more are made here (
                             # every step, faster than the process plans, must not pile up)
 BEHIND_STEPS = 2            # a job unanswered for more steps than this: the process is behind
                             # (a starved or loaded machine), and plans are made here meanwhile
+RECENT_STEPS = 4            # an estimated plan used this recently earns a detailed step (adapt)
+TOP_UP_FROM = 0.2           # share of a plan by keys' bytes matched before it is topped up
 
 
 def entry_of(profile, tl_plan, step: int, slowed: bool) -> PlanEntry:
@@ -121,6 +126,57 @@ def scaled_need(plan: PlanEntry, step_bytes: int, plan_bytes: int, budget: int,
     if plan_need > 0:
         need *= max(1.0, plan.moved_bytes / plan_need)
     return need
+
+
+def top_up(policy, plan: PlanEntry) -> None:
+    """``policy`` (a ``ChameleonPolicy``) following ``plan`` by keys on a step larger than the
+    plan's own (its matched spans' bytes against the plan's): what the plan's moves still to come
+    will not cover goes now, from the records it keeps, saved first (needed last) first, while
+    their copies can overlap the forward. Left to the budget's edge, the guard moved them there and the step waited
+    for the link: measured on this project's 2-core CPU (the emulated-link benchmark's HF
+    Llama 256x8 at 50%, 384 tokens), a mix's first step on its plan by keys moved 14.1 MiB
+    on the plan's word where the step saved 5 MiB more than the plan's spans, and the guard
+    moved the rest with 12 budget waits and 8 fetches on demand: 20.8 ms of stall."""
+    sums = policy._sums
+    if sums is None or sums[0] is not plan:     # (once per plan a step, not per save)
+        sums = policy._sums = (plan, sum(plan.nbytes),
+                               sum(n for n, m in zip(plan.nbytes, plan.move) if m))
+    _, total, planned = sums
+    if policy._plan_bytes < TOP_UP_FROM * total or not policy._kept:
+        return
+    ex = policy.ex
+    need = scaled_need(plan, policy._step_bytes, policy._plan_bytes, ex.budget, total)
+    to_come = (planned - policy._planned_seen) * policy._step_bytes / policy._plan_bytes
+    short = need - policy._fuzzy_moved - to_come
+    while short > 0 and policy._kept:
+        old = policy._kept.popleft()
+        if old.state == RESIDENT and old.counted and old.handles:
+            ex.offload(old)              # (or put off until a host buffer is ready)
+            policy.guard._inflight.append(old)
+            policy._fuzzy_moved += old.nbytes
+            policy._topped_up += 1
+            short -= old.nbytes
+
+
+def adapt(policy, profile) -> None:
+    """After a step followed by a plan by keys, or by none: whether its sequence gets a plan of its
+    own (made here or by the planner process), and whether the next step is timed."""
+    entry = policy.cache.get(profile.signature)
+    miss = policy._miss()
+    if entry is None and not miss and policy._fits(profile) and not policy._applied.by_mix:
+        # A sequence new in detail, but the plan applied to it (by keys) held without the
+        # guard's help: like the paper, keep it instead of planning again (MoE routing makes
+        # a new signature nearly every step; planning each costs more than it saves). Not
+        # a mix's plan made before it ran (``by_mix``): the mix's own steps are planned.
+        return
+    if entry is None or (profile.detailed and (not entry.detailed or miss)):
+        made = policy.swap_jobs.make(policy, profile)       # (None: the planner process's)
+        if made is not None:
+            policy.cache.put(made)
+    # Detail is wanted when a plan was missed, or a plan still made from estimates has
+    # been in use lately (a recurring sequence gets timed once, then runs from cache).
+    recent = [e for e in policy.cache.entries() if policy.step_no - e.last_used < RECENT_STEPS]
+    policy._want_detail = (miss and not profile.detailed) or any(not e.detailed for e in recent)
 
 
 class SwapJobs:
