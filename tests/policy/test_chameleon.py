@@ -342,10 +342,11 @@ def test_a_step_in_new_block_modes_takes_a_cached_plan_of_its_modes_else_its_mod
 def test_a_plan_by_keys_on_a_larger_step_moves_what_it_lacks_early(link):
     """A plan made for 48 tokens, applied by keys to a 64-token step: the step saves more than
     the plan's spans, and what the plan's own moves will not cover goes as soon as the matched
-    spans show it, from the records the plan keeps (``swap_jobs.top_up``), not at the budget's edge by
-    the guard (before: 20 overrides on this step at 500 MB/s, 6 at 200 with 4 budget waits). The
-    step then counts as missed: the sequence gets its own plan. On the emulated link too (the
-    real clock's twin: the copies take the link's time, and the moves still start early)."""
+    spans show it, from the records the plan keeps (``swap_jobs.top_up``), not at the budget's
+    edge by the guard (before: 20 overrides on this step at 500 MB/s, 6 at 200 with 4 budget
+    waits). The step then counts as missed: the sequence gets its own plan. On the emulated
+    link too (the real clock's twin: the copies take the link's time, and the moves still
+    start early)."""
     torch.manual_seed(0)
     model = Llama(LlamaConfig(**{**TINY, "dim": 64, "n_layers": 4, "max_seq_len": 128}))
     ref = copy.deepcopy(model)
