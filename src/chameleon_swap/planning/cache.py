@@ -44,12 +44,22 @@ class PlanEntry:
     checked: bool = True                # steps are checked against its prediction (not where
                                         # it was made from a step the planner process slowed)
     _index: Optional[KeyIndex] = field(default=None, repr=False)
+    _sums: Optional[tuple] = field(default=None, repr=False)
 
     @property
     def index(self) -> KeyIndex:
         if self._index is None:
             self._index = KeyIndex(self.keys)
         return self._index
+
+    @property
+    def span_sums(self) -> tuple:
+        """(its spans' bytes, the bytes of the spans it marks to move), summed once: a plan
+        followed by keys asks at every save (``policy.swap_jobs``). A mix's ``moved_bytes``
+        also counts spans left to the guard, which it does not mark."""
+        if self._sums is None:
+            self._sums = (sum(self.nbytes), sum(n for n, m in zip(self.nbytes, self.move) if m))
+        return self._sums
 
 
 class PlanCache:

@@ -81,7 +81,6 @@ class ChameleonPolicy:
         self._fuzzy_moved = 0               # bytes moved on a fuzzily matched plan's word
         self._planned_seen = 0              # of its spans matched so far, the bytes it moves
         self._topped_up = 0                 # records it kept, moved early (``top_up``)
-        self._sums: Optional[tuple] = None  # (plan, its bytes, the bytes it moves): top_up's
         self.overrides = 0                  # planned-resident records the guard had to move
         self._agree: dict[int, bool] = {}   # id(plan) -> its block modes are this step's
         self._no_plan_in_modes = False      # _in_modes found none (the modes hold all step)

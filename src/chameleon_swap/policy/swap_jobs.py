@@ -115,12 +115,11 @@ def wants_more(plan: PlanEntry, step_bytes: int, plan_bytes: int, moved: int,
     return moved < scaled_need(plan, step_bytes, plan_bytes, budget)
 
 
-def scaled_need(plan: PlanEntry, step_bytes: int, plan_bytes: int, budget: int,
-                total: Optional[int] = None) -> float:
+def scaled_need(plan: PlanEntry, step_bytes: int, plan_bytes: int, budget: int) -> float:
     """What a step followed by a plan by keys must move in all (``wants_more``): the plan's
     peak scaled by the step's bytes of the spans matched so far over the plan's, minus the
-    budget, times the plan's own margin. ``total``: the plan's spans' bytes, where known."""
-    peak = plan.peak_bytes or (total if total is not None else sum(plan.nbytes))
+    budget, times the plan's own margin."""
+    peak = plan.peak_bytes or plan.span_sums[0]
     need = peak * step_bytes / plan_bytes - budget
     plan_need = peak - plan.budget_bytes
     if plan_need > 0:
@@ -137,15 +136,11 @@ def top_up(policy, plan: PlanEntry) -> None:
     Llama 256x8 at 50%, 384 tokens), a mix's first step on its plan by keys moved 14.1 MiB
     on the plan's word where the step saved 5 MiB more than the plan's spans, and the guard
     moved the rest with 12 budget waits and 8 fetches on demand: 20.8 ms of stall."""
-    sums = policy._sums
-    if sums is None or sums[0] is not plan:     # (once per plan a step, not per save)
-        sums = policy._sums = (plan, sum(plan.nbytes),
-                               sum(n for n, m in zip(plan.nbytes, plan.move) if m))
-    _, total, planned = sums
+    total, planned = plan.span_sums
     if policy._plan_bytes < TOP_UP_FROM * total or not policy._kept:
         return
     ex = policy.ex
-    need = scaled_need(plan, policy._step_bytes, policy._plan_bytes, ex.budget, total)
+    need = scaled_need(plan, policy._step_bytes, policy._plan_bytes, ex.budget)
     to_come = (planned - policy._planned_seen) * policy._step_bytes / policy._plan_bytes
     short = need - policy._fuzzy_moved - to_come
     while short > 0 and policy._kept:
